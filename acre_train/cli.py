@@ -1,0 +1,57 @@
+"""The one command-line entry point: ``acre-train <verb> ...``.
+
+Every verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their verb runs, so ``acre-train --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb -> (module, one-line help). Order is the order a newcomer meets them.
+VERBS: dict[str, tuple[str, str]] = {
+    "env": ("acre_train.env_info", "print torch / transformers / deepspeed / CUDA facts for bug reports"),
+    "quickstart": ("acre_train.quickstart", "run ACRE on a tiny built-in model and text; print what it did"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="acre-train",
+        description="Train, export, run and evaluate ACRE bi-layer KV adapters for long-context LLMs.",
+        epilog="Run 'acre-train <verb> --help' for the options of one verb.",
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="<verb>")
+    for verb, (module_name, help_text) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        # Argument definitions need the module; importing it here costs only the verb's own imports
+        # when that verb's --help is asked for (argparse builds all parsers up front otherwise).
+        if len(sys.argv) > 1 and sys.argv[1] == verb:
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser_for(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "verb", None):
+        parser.print_help()
+        return 0
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+def build_parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    saved = sys.argv
+    sys.argv = ["acre-train", *argv]
+    try:
+        return build_parser()
+    finally:
+        sys.argv = saved
+
+
+if __name__ == "__main__":
+    sys.exit(main())
