@@ -1,0 +1,351 @@
+"""The ACRE model adapter: L1 parameters on a frozen Hugging Face causal LM (DESIGN.md §3–4).
+
+``attach_acre(model)`` adds, per decoder layer, L1 copies of ``q/k/v`` (and optionally ``o``)
+projections next to the base ones (``self_attn.acre_q_proj`` ...), one L1 embedding row
+(``model.acre_embed_tokens``), freezes every base weight, and gives each attention module an ACRE
+forward. The modules, norms, rotary embedding, MLPs and attention backends all stay transformers'
+own; without ACRE inputs the model behaves exactly like the base model.
+
+``acre_forward(model, ...)`` runs an interleaved batch and returns the loss over labelled raw tokens.
+
+This module must stay self-contained (torch/transformers only, relative imports): exports copy it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .interleave import IGNORE_INDEX
+from .visibility import AttentionKernel, MemoryIndex
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+L1_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+ACRE_PREFIX = "acre_"
+EMBED_NAME = "acre_embed_tokens"
+
+
+@dataclass
+class AcreOutput:
+    """What ``acre_forward`` returns. ``loss`` is ``loss_sum / num_items`` (token-weighted)."""
+
+    loss: torch.Tensor | None
+    loss_sum: torch.Tensor | None
+    num_tokens: int
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+def check_supported(config) -> None:
+    """Raise a clear error for architectures the adapter does not know."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"ACRE supports the Llama-family decoder models {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            f"got model_type={model_type!r}"
+        )
+
+
+def attach_acre(model: nn.Module, *, train_o_proj: bool = False) -> nn.Module:
+    """Add L1 parameters to ``model`` (a ``*ForCausalLM``) in place, freeze the base, return it.
+
+    L1 projections start as copies of the base projections; the L1 embedding row starts as the EOS
+    embedding. Works on the meta device too (nothing is copied there).
+
+    >>> from transformers import AutoModelForCausalLM, Qwen2Config  # doctest: +SKIP
+    >>> model = attach_acre(AutoModelForCausalLM.from_config(Qwen2Config(...)))  # doctest: +SKIP
+    """
+    config = model.config
+    check_supported(config)
+    if is_acre_model(model):
+        raise ValueError("this model already has ACRE parameters attached")
+    for param in model.parameters():
+        param.requires_grad_(False)
+
+    decoder = model.model
+    for layer in decoder.layers:
+        attn = layer.self_attn
+        names = L1_PROJECTIONS + (("o_proj",) if train_o_proj else ())
+        for name in names:
+            setattr(attn, ACRE_PREFIX + name, _trainable_copy(getattr(attn, name)))
+        attn.__class__ = _acre_attention_class(type(attn))
+
+    base_embed = decoder.embed_tokens.weight
+    l1_embed = nn.Embedding(1, base_embed.shape[1], device=base_embed.device, dtype=base_embed.dtype)
+    with torch.no_grad():
+        if base_embed.device.type != "meta":
+            l1_embed.weight.copy_(base_embed[_eos_id(config)][None])
+    l1_embed.weight.requires_grad_(True)
+    setattr(decoder, EMBED_NAME, l1_embed)
+    config.acre = {"train_o_proj": bool(train_o_proj), "format_version": 1}
+    return model
+
+
+def is_acre_model(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "model", None), EMBED_NAME)
+
+
+def _trainable_copy(linear: nn.Linear) -> nn.Linear:
+    copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                     device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        if linear.weight.device.type != "meta":
+            copy.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                copy.bias.copy_(linear.bias)
+    copy.requires_grad_(True)
+    return copy
+
+
+def _eos_id(config) -> int:
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise ValueError("the model config has no eos_token_id to initialise the L1 embedding from")
+    return int(eos)
+
+
+# --------------------------------------------------------------------------------------- attention
+
+_ACRE_CLASSES: dict[type, type] = {}
+
+
+def _acre_attention_class(base_cls: type) -> type:
+    """A subclass of the library's attention class with the ACRE forward (one per base class)."""
+    if base_cls not in _ACRE_CLASSES:
+        module = inspect.getmodule(base_cls)
+        _ACRE_CLASSES[base_cls] = type(
+            f"Acre{base_cls.__name__}",
+            (AcreAttentionMixin, base_cls),
+            {"_rotate_half": staticmethod(module.rotate_half),
+             "_apply_rope": staticmethod(module.apply_rotary_pos_emb)},
+        )
+    return _ACRE_CLASSES[base_cls]
+
+
+class AcreAttentionMixin:
+    """Selective windowed attention with L1 projections; falls back to the base forward otherwise.
+
+    The ACRE layout reaches every layer as the ``acre_layout`` keyword: transformers forwards extra
+    model keywords down to the attention modules, so no model code is copied or patched.
+    """
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        layout = kwargs.get("acre_layout")
+        if layout is None:
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        bsz, n, _ = hidden_states.shape
+        shape = (bsz, n, -1, self.head_dim)
+        rows = layout.l1_rows
+        query = _mixed_linear(self.q_proj, self.acre_q_proj, hidden_states, rows).view(shape)
+        key = _mixed_linear(self.k_proj, self.acre_k_proj, hidden_states, rows).view(shape)
+        value = _mixed_linear(self.v_proj, self.acre_v_proj, hidden_states, rows).view(shape).transpose(1, 2)
+        if getattr(self, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        if layout.kernel.capture is not None:
+            layout.kernel.capture.append((self.layer_idx, key, value))
+
+        cos, sin = position_embeddings
+        query_rot, key_rot = self._apply_rope(query, key, cos, sin)
+        memory_key, memory_value = layout.memory_kv(key, value, self._rotate_half)
+        out = layout.kernel.attend(self, query_rot, key_rot, value, memory_key, memory_value, hidden_states.dtype)
+        out = out.reshape(bsz, n, -1)
+        out = _mixed_linear(self.o_proj, getattr(self, "acre_o_proj", None), out, rows)
+        return out, None
+
+
+def _mixed_linear(base: nn.Linear, l1: nn.Linear | None, x: torch.Tensor, l1_rows: torch.Tensor) -> torch.Tensor:
+    """``base(x)`` with the L1 rows (flat indices into ``x``'s tokens) replaced by ``l1(x)``."""
+    out = base(x)
+    if l1 is None or l1_rows.numel() == 0:
+        return out
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat = out.reshape(-1, out.shape[-1])
+    return flat.index_copy(0, l1_rows, l1(flat_x.index_select(0, l1_rows))).view(out.shape)
+
+
+class AcreLayout:
+    """Everything a layer needs about an interleaved batch, computed once per forward."""
+
+    def __init__(self, kernel: AttentionKernel, l1_rows: torch.Tensor, memory_cos: torch.Tensor, memory_sin: torch.Tensor):
+        self.kernel = kernel
+        self.l1_rows = l1_rows
+        self.memory = kernel.memory
+        self.memory_cos = memory_cos[:, None]  # [B, 1, m, D], broadcast over heads
+        self.memory_sin = memory_sin[:, None]
+
+    def memory_kv(self, key: torch.Tensor, value: torch.Tensor, rotate_half) -> tuple[torch.Tensor, torch.Tensor]:
+        """L1 tokens' keys rotated at memory positions ``j`` (from pre-RoPE keys) and their values."""
+        index = self.memory.token_index[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[-1])
+        mem_key = key.gather(2, index)
+        mem_value = value.gather(2, index)
+        mem_key = mem_key * self.memory_cos.to(key.dtype) + rotate_half(mem_key) * self.memory_sin.to(key.dtype)
+        return mem_key, mem_value
+
+
+# ----------------------------------------------------------------------------------------- forward
+
+def default_kernel(device: torch.device | str) -> str:
+    """flex on CUDA (block-sparse), chunked elsewhere (memory grows with the chunk only)."""
+    return "flex" if torch.device(device).type == "cuda" else "chunked"
+
+
+def build_layout(
+    model: nn.Module,
+    *,
+    is_l1: torch.Tensor,
+    chunk_ids: torch.Tensor,
+    positions: torch.Tensor,
+    memory_positions: torch.Tensor,
+    hidden_like: torch.Tensor,
+    kernel: str | None = None,
+    backend: str | None = None,
+    prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    capture: list | None = None,
+) -> AcreLayout:
+    """The per-forward ACRE layout, with bounds checked against the model's position range."""
+    check_positions(model.config, positions, memory_positions)
+    memory = MemoryIndex.from_batch(is_l1, chunk_ids, memory_positions)
+    attention = AttentionKernel(
+        kind=kernel or default_kernel(is_l1.device),
+        backend=backend or _default_backend(model.config),
+        chunk_ids=chunk_ids,
+        positions=positions,
+        is_l1=is_l1,
+        memory=memory,
+        prefix=prefix,
+        capture=capture,
+    )
+    l1_rows = torch.nonzero(is_l1.reshape(-1), as_tuple=False).reshape(-1)
+    mem_cos, mem_sin = model.model.rotary_emb(hidden_like, memory.positions)
+    return AcreLayout(attention, l1_rows, mem_cos, mem_sin)
+
+
+def _default_backend(config) -> str:
+    return "eager" if getattr(config, "_attn_implementation", "sdpa") == "eager" else "sdpa"
+
+
+def check_positions(config, positions: torch.Tensor, memory_positions: torch.Tensor) -> None:
+    """Compressed positions must stay inside the model's trained position range."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None or positions.numel() == 0:
+        return
+    highest = int(torch.maximum(positions.max(), memory_positions.max()))
+    if highest >= limit:
+        raise ValueError(
+            f"the interleaved sequence reaches RoPE position {highest}, but the model's "
+            f"max_position_embeddings is {limit}: use a larger L1 interval, a smaller first chunk / "
+            f"stride, or a shorter sequence"
+        )
+
+
+def embed_interleaved(model: nn.Module, input_ids: torch.Tensor, is_l1: torch.Tensor) -> torch.Tensor:
+    """Token embeddings with L1 slots replaced by the L1 embedding row."""
+    decoder = model.model
+    embeds = decoder.embed_tokens(input_ids)
+    l1 = getattr(decoder, EMBED_NAME).weight[0].to(embeds.dtype)
+    return torch.where(is_l1[..., None], l1, embeds)
+
+
+def acre_forward(
+    model: nn.Module,
+    *,
+    input_ids: torch.Tensor,
+    is_l1: torch.Tensor,
+    chunk_ids: torch.Tensor,
+    positions: torch.Tensor,
+    memory_positions: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    kernel: str | None = None,
+    backend: str | None = None,
+    return_logits: bool = False,
+    prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    capture: list | None = None,
+) -> AcreOutput:
+    """Run an interleaved batch (tensors ``[B, n]`` as produced by the interleave plan + padding).
+
+    Padding: ``chunk_ids = -1``, ``labels = IGNORE_INDEX``, ``is_l1 = False``. The loss is the sum of
+    cross-entropies over labelled tokens divided by ``num_items_in_batch`` (when given, so gradient
+    accumulation weights tokens, not micro-batches) or by the batch's own labelled-token count.
+    Logits are computed only where labels are set unless ``return_logits``.
+    """
+    is_l1 = is_l1.bool()
+    embeds = embed_interleaved(model, input_ids, is_l1)
+    layout = build_layout(
+        model, is_l1=is_l1, chunk_ids=chunk_ids, positions=positions, memory_positions=memory_positions,
+        hidden_like=embeds, kernel=kernel, backend=backend, prefix=prefix, capture=capture,
+    )
+    # A ready 4-D mask makes transformers skip building its own causal mask (O(n^2) for eager);
+    # the ACRE kernels build theirs from the layout.
+    no_mask = embeds.new_zeros(embeds.shape[0], 1, 0, 0, dtype=torch.bool)
+    hidden = model.model(
+        inputs_embeds=embeds, position_ids=positions, attention_mask=no_mask, use_cache=False, acre_layout=layout,
+    ).last_hidden_state
+
+    logits = model.lm_head(hidden) if return_logits else None
+    if labels is None:
+        return AcreOutput(loss=None, loss_sum=None, num_tokens=0, logits=logits, hidden_states=hidden)
+    selected = labels != IGNORE_INDEX
+    count = int(selected.sum())
+    picked = logits[selected] if logits is not None else model.lm_head(hidden[selected])
+    loss_sum = F.cross_entropy(picked.float(), labels[selected], reduction="sum")
+    denominator = num_items_in_batch if num_items_in_batch is not None else max(count, 1)
+    if isinstance(denominator, torch.Tensor):
+        denominator = denominator.to(loss_sum.device)
+    return AcreOutput(loss=loss_sum / denominator, loss_sum=loss_sum, num_tokens=count, logits=logits, hidden_states=hidden)
+
+
+# -------------------------------------------------------------------------------------- parameters
+
+def acre_parameters(model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
+    """The L1 parameters (the only trainable ones), by name."""
+    return ((name, p) for name, p in model.named_parameters() if _is_acre_name(name))
+
+
+def _is_acre_name(name: str) -> bool:
+    return any(part.startswith(ACRE_PREFIX) for part in name.split("."))
+
+
+def acre_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The L1 weights only (what checkpoints and adapter-only exports hold)."""
+    return {name: p.detach() for name, p in acre_parameters(model)}
+
+
+def load_acre_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load L1 weights; every L1 parameter must be present and nothing else may be."""
+    own = dict(acre_parameters(model))
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"L1 weights do not match this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"L1 weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts by group: each L1 projection kind, the L1 embedding, the frozen base, totals.
+
+    >>> count_parameters(model)["trainable"]  # Qwen2.5-3B shape, q/k/v + embedding: 188,837,888  # doctest: +SKIP
+    """
+    groups: dict[str, int] = {}
+    trainable = frozen = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if p.requires_grad:
+            trainable += n
+            group = next((part for part in name.split(".") if part.startswith(ACRE_PREFIX)), "other trainable")
+            groups[group] = groups.get(group, 0) + n
+        else:
+            frozen += n
+    return {**dict(sorted(groups.items())), "trainable": trainable, "frozen": frozen, "total": trainable + frozen}
