@@ -149,11 +149,11 @@ class AcreAttentionMixin:
         if getattr(self, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
-        if layout.kernel.capture is not None:
-            layout.kernel.capture.append((self.layer_idx, key, value))
 
         cos, sin = position_embeddings
         query_rot, key_rot = self._apply_rope(query, key, cos, sin)
+        if layout.kernel.capture is not None:
+            layout.kernel.capture(self.layer_idx, query_rot, key, value)
         memory_key, memory_value = layout.memory_kv(key, value, self._rotate_half)
         out = layout.kernel.attend(self, query_rot, key_rot, value, memory_key, memory_value, hidden_states.dtype)
         out = out.reshape(bsz, n, -1)
@@ -208,7 +208,7 @@ def build_layout(
     kernel: str | None = None,
     backend: str | None = None,
     prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    capture: list | None = None,
+    capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> AcreLayout:
     """The per-forward ACRE layout, with bounds checked against the model's position range."""
     check_positions(model.config, positions, memory_positions)
@@ -268,7 +268,7 @@ def acre_forward(
     backend: str | None = None,
     return_logits: bool = False,
     prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    capture: list | None = None,
+    capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> AcreOutput:
     """Run an interleaved batch (tensors ``[B, n]`` as produced by the interleave plan + padding).
 
@@ -276,6 +276,10 @@ def acre_forward(
     cross-entropies over labelled tokens divided by ``num_items_in_batch`` (when given, so gradient
     accumulation weights tokens, not micro-batches) or by the batch's own labelled-token count.
     Logits are computed only where labels are set unless ``return_logits``.
+
+    Inference hooks: ``prefix(layer_idx) -> (keys, values)`` adds already-rotated keys ``[B, H_kv, P, D]``
+    that every query sees (the bi-layer cache; chunked kernel); ``capture(layer_idx, query_rot,
+    key_pre_rope, value)`` is called in every layer with ``[B, H*, n, D]`` tensors.
     """
     is_l1 = is_l1.bool()
     embeds = embed_interleaved(model, input_ids, is_l1)

@@ -145,8 +145,8 @@ class AttentionKernel:
     """Runs selective windowed attention for one batch layout; shared by all layers of a forward.
 
     ``prefix`` (chunked kernel only) supplies extra keys/values per layer that every query sees, already
-    rotated: inference uses it for the bi-layer cache. ``capture`` receives every layer's pre-RoPE
-    keys and values, so inference can store them.
+    rotated: inference uses it for the bi-layer cache. ``capture(layer_idx, query_rot, key_pre_rope,
+    value)`` is called by every layer, so inference can score and store them.
     """
 
     kind: str
@@ -156,7 +156,7 @@ class AttentionKernel:
     is_l1: torch.Tensor
     memory: MemoryIndex
     prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
-    capture: list | None = None
+    capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     _mask: object = field(default=None, repr=False)
     _segments: list[ChunkSegment] | None = field(default=None, repr=False)
 
