@@ -1,0 +1,130 @@
+"""Chat-template rendering with an assistant-only label mask, and middle truncation of the context.
+
+The text is rendered once with the tokenizer's own chat template and tokenized once (with offsets),
+so token boundaries are exactly what the model will see; prefix renderings only locate the
+assistant answers and the context in that text. Tokenizing the rendered text uses
+``add_special_tokens=False``: templates already write BOS where the model wants it (adding it again
+is the classic double-BOS bug).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..modeling.interleave import IGNORE_INDEX
+from .errors import DataError
+
+Message = dict[str, str]
+
+
+@dataclass
+class Rendered:
+    """A rendered conversation: raw ids, unshifted labels (token id on answer tokens, else -100)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    context_tokens: tuple[int, int]  # [start, end) token range that middle truncation may cut
+    text: str
+
+    @property
+    def num_answer_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def answer_char_ranges(tokenizer: Any, messages: Sequence[Message], full: str) -> list[tuple[int, int]]:
+    """Character ranges of every assistant answer in ``full``, end-of-turn token included.
+
+    An answer starts where the generation prompt for its turn ends and stops where the rendering
+    up to that turn ends, minus trailing whitespace (the newline after ``<|im_end|>`` is template
+    glue, not something the model must generate).
+    """
+    ranges = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:k], generation_prompt=True)
+        through = _render(tokenizer, messages[: k + 1])
+        if not (through.startswith(before) and full.startswith(through)):
+            raise DataError(
+                "the chat template does not render conversations prefix-consistently "
+                f"(turn {k}); cannot locate the assistant answer to label it"
+            )
+        end = len(through.rstrip())
+        if end <= len(before):
+            raise DataError(f"assistant turn {k} renders empty")
+        ranges.append((len(before), end))
+    return ranges
+
+
+def content_char_start(tokenizer: Any, messages: Sequence[Message], index: int, full: str) -> int:
+    """Where message ``index``'s content starts in ``full``."""
+    prefix = _render(tokenizer, messages[:index]) if index else ""
+    start = full.find(messages[index]["content"], len(prefix))
+    if start < 0:
+        raise DataError(f"message {index}'s content does not appear verbatim in the rendered chat")
+    return start
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    context: tuple[int, int, int] | None = None,
+) -> Rendered:
+    """Render ``messages`` with the chat template; label exactly the assistant answers.
+
+    ``context``: ``(message_index, char_start, char_end)`` inside that message's content, the part
+    middle truncation may cut; default: the whole content of the longest user message.
+    """
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("conversation has no assistant turn (nothing to train on)")
+    full = _render(tokenizer, messages)
+    answers = answer_char_ranges(tokenizer, messages, full)
+    if context is None:
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        index = max(users, key=lambda i: len(messages[i]["content"])) if users else 0
+        context = (index, 0, len(messages[index]["content"]))
+    base = content_char_start(tokenizer, messages, context[0], full)
+    ctx_chars = (base + context[1], base + context[2])
+
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    ends = np.asarray([e for _, e in enc["offset_mapping"]], dtype=np.int64)
+    labels = np.full_like(ids, IGNORE_INDEX)
+    for a, b in answers:
+        # A token belongs to the answer when it starts inside it.
+        inside = (starts >= a) & (starts < b)
+        labels[inside] = ids[inside]
+    in_ctx = np.flatnonzero((starts >= ctx_chars[0]) & (ends <= ctx_chars[1]) & (ends > starts))
+    ctx_tokens = (int(in_ctx[0]), int(in_ctx[-1]) + 1) if in_ctx.size else (0, 0)
+    return Rendered(ids, labels, ctx_tokens, full)
+
+
+def truncate_middle(rendered: Rendered, max_length: int) -> Rendered | None:
+    """Cut ``len - max_length`` tokens from the middle of the context; None if that cannot fit.
+
+    Head and tail of the context survive (instructions usually lead, the question usually trails);
+    everything outside the context (question, answer, template tokens) is kept whole.
+    """
+    excess = len(rendered.input_ids) - max_length
+    if excess <= 0:
+        return rendered
+    start, end = rendered.context_tokens
+    if end - start < excess:
+        return None
+    keep_head = (end - start - excess) // 2
+    cut = slice(start + keep_head, start + keep_head + excess)
+    keep = np.ones(len(rendered.input_ids), dtype=bool)
+    keep[cut] = False
+    return Rendered(
+        rendered.input_ids[keep], rendered.labels[keep], (start, end - excess), rendered.text
+    )

@@ -1,0 +1,132 @@
+"""Output directories: atomic writes, the manifest, the cache fingerprint, and loading back.
+
+Layout of a prepared dataset directory::
+
+    <output>/                  written by datasets.Dataset.save_to_disk
+        data-*.arrow, dataset_info.json, state.json
+        manifest.json          written last; "complete": true
+
+Everything is first written to a hidden sibling ``.<name>.partial-<random>`` that is renamed into
+place only when complete, so an interrupted run never leaves a directory that looks finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import DataError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+# Per-token columns (exactly InterleavePlan.as_dict()) and per-sample columns of every output row.
+PLAN_COLUMNS = ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels", "raw_index")
+SAMPLE_COLUMNS = ("num_raw_tokens", "intervals", "sample_index")
+
+
+def dataset_from_generator(generate, work: Path, features) -> "datasets.Dataset":  # noqa: F821
+    """``Dataset.from_generator`` in a private cache dir, re-raising our own :class:`DataError`
+    (``datasets`` wraps generator errors in ``DatasetGenerationError``, hiding file and line)."""
+    import datasets
+
+    try:
+        return datasets.Dataset.from_generator(generate, cache_dir=str(work), features=features)
+    except datasets.exceptions.DatasetGenerationError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (DataError, KeyboardInterrupt)):
+            raise cause from None
+        raise
+
+
+def fingerprint(*parts: Any) -> str:
+    """Stable hex digest of JSON-serialisable parts (key order does not matter)."""
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a *complete* output directory, else None."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return manifest if manifest.get("complete") is True else None
+
+
+def reusable(path: Path, key: str) -> dict[str, Any] | None:
+    """The manifest of ``path`` if it is complete and was made with the same fingerprint."""
+    manifest = read_manifest(path)
+    return manifest if manifest and manifest.get("fingerprint") == key else None
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success it replaces ``path``, on error it is removed."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise DataError(
+            f"{path} exists and was made with other settings or inputs (or is incomplete); "
+            "pass --overwrite to replace it or choose another --output"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        yield tmp
+        if read_manifest(tmp) is None:
+            raise DataError(f"internal error: {tmp} has no complete manifest; not publishing it")
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / "x")
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` (marked complete) into ``directory``; call it last."""
+    data = {**manifest, "complete": True}
+    (Path(directory) / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def load_prepared(path: str | os.PathLike) -> tuple["datasets.Dataset", dict[str, Any]]:  # noqa: F821
+    """Load a prepared dataset and its manifest; refuses incomplete or foreign directories."""
+    import datasets
+
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"{path}: no such prepared dataset (run 'acre-train preprocess stage1|stage2')")
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise DataError(f"{path}: no complete {MANIFEST}; the preparation did not finish, run it again")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path}: format_version {manifest.get('format_version')} but this acre-train reads "
+            f"{FORMAT_VERSION}; prepare the data again"
+        )
+    return datasets.load_from_disk(str(path)), manifest
+
+
+def length_histogram(lengths: list[int]) -> dict[str, int]:
+    """Counts per power-of-two bucket, keyed ``"<=N"`` in increasing order."""
+    counts: Counter = Counter()
+    for n in lengths:
+        counts[1 << max(int(n) - 1, 0).bit_length()] += 1
+    return {f"<={k}": counts[k] for k in sorted(counts)}
+
+
+def interval_histogram(intervals: list[list[int]]) -> dict[str, int]:
+    """How many chunks used each interval."""
+    counts = Counter(v for row in intervals for v in row)
+    return {str(k): counts[k] for k in sorted(counts)}

@@ -1,0 +1,149 @@
+"""Long-context QA from SQuAD-style data: the gold paragraph at a random depth among distractors.
+
+Each answerable question becomes one conversation: the user turn holds the context (paragraphs
+joined by blank lines, the gold one at a random depth, other paragraphs drawn at random until the
+context reaches a target token count) followed by the question; the assistant turn is the first gold
+answer. The context's character range is returned so middle truncation never cuts the question.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from .errors import DataError, InputProblems
+from .readers import Record
+
+PARAGRAPH_SEPARATOR = "\n\n"
+QUESTION_TEMPLATE = "\n\nAnswer the question using the context above.\nQuestion: {question}"
+_DEPTH_STREAM = 0xC0
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    context: str
+    title: str
+    qas: tuple[dict[str, Any], ...]  # answerable questions only: {"id", "question", "answer"}
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """A built long-context QA conversation."""
+
+    messages: list[dict[str, str]]
+    context: tuple[int, int, int]  # (message index, char start, char end) of the context
+    meta: dict[str, Any]
+
+
+def _answer_text(qa: dict[str, Any]) -> str | None:
+    answers = qa.get("answers")
+    if isinstance(answers, dict):  # hub layout: {"text": [...], "answer_start": [...]}
+        texts = answers.get("text") or []
+    else:
+        texts = [a.get("text") for a in answers or [] if isinstance(a, dict)]
+    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    return texts[0] if texts else None
+
+
+def _qa_entry(qa: dict[str, Any], source: str, where: int | None, problems: InputProblems) -> dict | None:
+    if qa.get("is_impossible"):
+        return None  # unanswerable questions have no answer to train on; not an error
+    question, answer = qa.get("question"), _answer_text(qa)
+    if not isinstance(question, str) or not question.strip():
+        problems.report(source, where, "missing field 'question'")
+        return None
+    if answer is None:
+        if "answers" not in qa:
+            problems.report(source, where, "missing field 'answers'")
+        return None  # an empty answer list marks an unanswerable question in SQuAD v2
+    return {"id": str(qa.get("id", "")), "question": question.strip(), "answer": answer.strip()}
+
+
+def paragraphs_from_squad_json(doc: dict[str, Any], source: str, problems: InputProblems) -> list[Paragraph]:
+    """Paragraphs of a SQuAD JSON document (``data[].paragraphs[].{context, qas}``)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        raise DataError(f"{source}: not SQuAD JSON (expected a top-level 'data' list)")
+    out = []
+    for a, article in enumerate(doc["data"]):
+        for p, para in enumerate(article.get("paragraphs", [])):
+            where = f"{source} data[{a}].paragraphs[{p}]"
+            context = para.get("context")
+            if not isinstance(context, str) or not context.strip():
+                problems.report(where, None, "missing field 'context'")
+                continue
+            qas = [q for i, qa in enumerate(para.get("qas", []))
+                   if (q := _qa_entry(qa, f"{where}.qas[{i}]", None, problems))]
+            out.append(Paragraph(context.strip(), str(article.get("title", "")), tuple(qas)))
+    return out
+
+
+def paragraphs_from_records(records: Iterable[Record], problems: InputProblems) -> list[Paragraph]:
+    """Paragraphs from flat rows ``{context, question, answers, title?}`` (hub ``squad_v2`` layout),
+    grouped by context in first-seen order."""
+    groups: dict[str, tuple[str, list[dict]]] = {}
+    for record in records:
+        context = record.data.get("context")
+        if not isinstance(context, str) or not context.strip():
+            problems.report(record.source, record.line, "missing field 'context'")
+            continue
+        title, qas = groups.setdefault(context.strip(), (str(record.data.get("title", "")), []))
+        if (qa := _qa_entry(record.data, record.source, record.line, problems)):
+            qas.append(qa)
+    return [Paragraph(c, t, tuple(q)) for c, (t, q) in groups.items()]
+
+
+def load_squad_files(paths: Iterable[Path], problems: InputProblems) -> list[Paragraph]:
+    """Paragraphs of SQuAD JSON files, in file order."""
+    out = []
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from exc
+        out.extend(paragraphs_from_squad_json(doc, str(path), problems))
+    return out
+
+
+def build_long_qa(
+    paragraphs: list[Paragraph],
+    paragraph_tokens: list[int],
+    *,
+    context_tokens: int,
+    questions_per_paragraph: int = 1,
+    seed: int = 0,
+) -> Iterator[QAExample]:
+    """Yield one long-context QA conversation per answerable question (up to the per-paragraph cap).
+
+    ``paragraph_tokens[i]``: token count of paragraph ``i`` (the caller's tokenizer). Distractors
+    are drawn without replacement from all other paragraphs until gold + distractors reach
+    ``context_tokens`` (or the pool runs out); the gold paragraph's depth is uniform over the
+    ``len(distractors) + 1`` slots. Deterministic per (seed, question number).
+    """
+    if len(paragraph_tokens) != len(paragraphs):
+        raise ValueError("need one token count per paragraph")
+    counts = np.asarray(paragraph_tokens, dtype=np.int64)
+    number = 0
+    for gold, para in enumerate(paragraphs):
+        for qa in para.qas[:questions_per_paragraph]:
+            rng = np.random.default_rng(np.random.SeedSequence((seed, _DEPTH_STREAM, number)))
+            order = rng.permutation(len(paragraphs))
+            order = order[order != gold]
+            # Paragraphs taken while the running total (gold included) is below the target.
+            running = counts[gold] + np.cumsum(counts[order])
+            take = int(np.searchsorted(running, context_tokens, side="left")) + 1
+            distractors = order[: min(take, len(order))] if counts[gold] < context_tokens else order[:0]
+            depth = int(rng.integers(0, len(distractors) + 1))
+            chosen = [int(i) for i in distractors[:depth]] + [gold] + [int(i) for i in distractors[depth:]]
+            context = PARAGRAPH_SEPARATOR.join(paragraphs[i].context for i in chosen)
+            user = context + QUESTION_TEMPLATE.format(question=qa["question"])
+            yield QAExample(
+                messages=[{"role": "user", "content": user}, {"role": "assistant", "content": qa["answer"]}],
+                context=(0, 0, len(context)),
+                meta={"id": qa["id"], "title": para.title, "gold_paragraph": gold, "gold_depth": depth,
+                      "num_paragraphs": len(chosen), "answer": qa["answer"], "question": qa["question"]},
+            )
+            number += 1

@@ -1,0 +1,260 @@
+"""Stage 1: long plain-text spans with interleaved L1 tokens (``acre-train preprocess stage1``).
+
+Pipeline: read records -> tokenize documents (cached per inputs + tokenizer; ``num_proc``) ->
+sample spans (sequential, cheap: token offsets only) -> build rows with the interleave plan
+(``num_proc``) -> write atomically with a manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .builtin import BUILTIN_TEXT_SOURCE, builtin_text
+from .errors import DataError, InputProblems
+from .output import (
+    FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, interval_histogram, length_histogram, reusable, write_manifest,
+)
+from .readers import Record, describe_inputs, expand_inputs, read_files, read_hub_dataset
+from .rows import features, plan_row
+from .settings import Stage1Settings
+from .spans import Segment, iter_spans, span_length
+from .tokenizer import load_tokenizer, tokenizer_facts
+from .tiny_tokenizer import cache_root
+
+
+def input_records(settings: Any, problems: InputProblems) -> Iterator[Record]:
+    """Records of the settings' input (files, a ``datasets`` name, or the built-in text)."""
+    if settings.builtin:
+        for i, data in enumerate(builtin_text(), start=1):
+            yield Record(data, BUILTIN_TEXT_SOURCE, i)
+    elif settings.dataset_name:
+        yield from read_hub_dataset(settings.dataset_name, settings.dataset_config, settings.dataset_split)
+    else:
+        yield from read_files(expand_inputs(settings.inputs), problems)
+
+
+def describe_source(settings: Any) -> list[dict[str, Any]]:
+    """What the input is, for the manifest and the cache key (file hashes for files)."""
+    if settings.builtin:
+        return [{"builtin": BUILTIN_TEXT_SOURCE if isinstance(settings, Stage1Settings) else "squad_v2_sample.json",
+                 "python": sys.version.split()[0]}]
+    if settings.dataset_name:
+        # Hub datasets have no cheap content hash: name, config and split are the key.
+        return [{"dataset": settings.dataset_name, "config": settings.dataset_config, "split": settings.dataset_split}]
+    return describe_inputs(expand_inputs(settings.inputs))
+
+
+def iter_documents(settings: Stage1Settings, problems: InputProblems) -> Iterator[dict[str, str]]:
+    """``{"text", "source", "meta"}`` of every valid record; bad ones reported with file:line."""
+    field = settings.text_field
+    for record in input_records(settings, problems):
+        if field not in record.data:
+            problems.report(record.source, record.line, f"missing field {field!r}")
+            continue
+        text = record.data[field]
+        if not isinstance(text, str):
+            problems.report(record.source, record.line, f"field {field!r} is not a string", type(text).__name__)
+            continue
+        if not text.strip():
+            problems.report(record.source, record.line, f"empty {field!r}")
+            continue
+        meta = record.data.get(settings.meta_field)
+        yield {"text": text, "source": record.where, "meta": json.dumps(meta, sort_keys=True, default=str)}
+
+
+def _tokenize_batch(batch: dict[str, list], tokenizer: Any) -> dict[str, list]:
+    # No special tokens: spans start mid-document, a BOS per document would be noise.
+    ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "num_tokens": [len(x) for x in ids]}
+
+
+def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems, work: Path):
+    """Tokenized documents, reused from the cache when inputs, fields and tokenizer match."""
+    import datasets
+
+    cache = Path(settings.cache_dir or cache_root()) / "prep" / f"tokenized-{key[:24]}"
+    report = cache / "problems.json"
+    if report.exists():
+        saved = json.loads(report.read_text(encoding="utf-8"))
+        problems.counts.update(saved["by_reason"])
+        problems.examples.extend(saved["examples"])
+        return datasets.load_from_disk(str(cache / "data"))
+
+    def generate():
+        yield from iter_documents(settings, problems)
+
+    docs = dataset_from_generator(
+        generate, work / "gen", features=datasets.Features(
+            {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}))
+    if len(docs) == 0:
+        raise DataError(f"the input holds no usable document ({problems.total} bad records; see warnings above)")
+    docs = docs.map(
+        _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"tokenizer": tokenizer},
+        num_proc=settings.num_proc if settings.num_proc > 1 else None, remove_columns=["text"],
+        cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=_mkdir(cache.parent)))
+    docs.save_to_disk(str(tmp / "data"))
+    (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
+    try:
+        tmp.rename(cache)
+    except OSError:  # another run cached the same thing meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return datasets.load_from_disk(str(cache / "data"))
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def span_ids(segments: list[Segment], fetch, eos_id: int) -> np.ndarray:
+    """Token ids of a span: its segments joined by one EOS."""
+    parts: list[np.ndarray] = []
+    for k, (doc, start, end) in enumerate(segments):
+        if k:
+            parts.append(np.asarray([eos_id], dtype=np.int64))
+        parts.append(np.asarray(fetch(doc), dtype=np.int64)[start:end])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def stage1_row(sample_index: int, segments: list[Segment], fetch, sources, settings: Stage1Settings,
+               eos_id: int, l1_id: int) -> dict[str, Any]:
+    """One stage-1 output row (``meta``: JSON list of the span's source segments)."""
+    raw = span_ids(segments, fetch, eos_id)
+    row = plan_row(raw, None, settings, sample_index, l1_id)
+    row["meta"] = json.dumps([
+        {"source": sources(d)[0], "start": int(s), "end": int(e), "meta": json.loads(sources(d)[1])}
+        for d, s, e in segments
+    ])
+    return row
+
+
+def _map_span(example: dict, docs, settings: Stage1Settings, eos_id: int, l1_id: int) -> dict:
+    def fetch(d):
+        return docs[int(d)]["input_ids"]
+
+    def sources(d):
+        row = docs[int(d)]
+        return row["source"], row["meta"]
+
+    segments = [tuple(int(v) for v in seg) for seg in example["segments"]]
+    return stage1_row(example["sample_index"], segments, fetch, sources, settings, eos_id, l1_id)
+
+
+def _spans(settings: Stage1Settings, lengths) -> Iterator[list[Segment]]:
+    return iter_spans(lengths, min_length=settings.min_length, max_length=settings.max_length,
+                      token_budget=settings.token_budget, pack=settings.pack, seed=settings.seed)
+
+
+def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
+    """Prepare the stage-1 dataset at ``settings.output``; reuse it if already made identically."""
+    import datasets
+
+    if settings.output is None:
+        raise DataError("stage 1 needs an output directory")
+    tok = load_tokenizer(settings.tokenizer)
+    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    tok_facts = tokenizer_facts(tok, settings.tokenizer)
+    inputs = describe_source(settings)
+    read_key = fingerprint(FORMAT_VERSION, inputs, settings.text_field, settings.meta_field, tok_facts["fingerprint"])
+    key = fingerprint(FORMAT_VERSION, "stage1", settings.output_dict(), inputs, tok_facts["fingerprint"])
+    if not settings.overwrite and (manifest := reusable(settings.output, key)):
+        log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")
+        return settings.output
+
+    problems = InputProblems(strict=settings.strict)
+    with tempfile.TemporaryDirectory(prefix="acre-prep-") as work_dir, \
+            atomic_output(settings.output, overwrite=settings.overwrite) as out:
+        work = Path(work_dir)
+        docs = tokenized_documents(settings, tok, read_key, problems, work)
+        lengths = docs["num_tokens"]
+        spans = list(_spans(settings, enumerate(lengths)))
+        if not spans:
+            raise DataError(
+                f"no span: {len(lengths)} documents, the longest has {max(lengths, default=0)} tokens "
+                f"and {sum(lengths)} in all, below min_length={settings.min_length}"
+                + ("" if settings.pack else " (packing is off: pass --pack to join short documents)")
+            )
+        plan = datasets.Dataset.from_dict(
+            {"sample_index": list(range(len(spans))), "segments": [[list(s) for s in span] for span in spans]})
+        rows = plan.map(
+            _map_span, fn_kwargs={"docs": docs.with_format("numpy", columns=["input_ids"], output_all_columns=True),
+                                  "settings": settings, "eos_id": tok.eos_token_id, "l1_id": l1_id},
+            remove_columns=["segments"], features=features(1),
+            num_proc=settings.num_proc if settings.num_proc > 1 else None,
+            cache_file_name=str(work / "rows.arrow"), new_fingerprint=key[:32], desc="interleaving",
+        )
+        rows.save_to_disk(str(out))
+        write_manifest(out, build_manifest(1, settings, rows, inputs, tok_facts, l1_id, problems, key,
+                                           {"documents": len(lengths), "document_tokens": int(sum(lengths))}))
+    log(f"wrote {len(spans)} samples to {settings.output}")
+    return settings.output
+
+
+def build_manifest(stage: int, settings: Any, rows, inputs, tok_facts, l1_id: int, problems: InputProblems,
+                   key: str, extra_counts: dict[str, int]) -> dict[str, Any]:
+    """Counts, token totals, histograms, the exact settings and the input hashes."""
+    import pyarrow.compute as pc
+
+    raw = [int(n) for n in rows["num_raw_tokens"]]
+    intervals = rows["intervals"]
+    # Interleaved lengths straight from Arrow's list offsets: no token values are read.
+    total = int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
+    counts = {
+        "samples": len(rows),
+        "raw_tokens": sum(raw),
+        "l1_tokens": total - sum(raw),
+        "total_tokens": total,
+        **extra_counts,
+    }
+    if stage == 1:
+        counts["label_tokens"] = sum(max(n - 1, 0) for n in raw)
+    return {
+        "format_version": FORMAT_VERSION,
+        "stage": stage,
+        "fingerprint": key,
+        "plan": {"first_chunk": settings.first_chunk, "stride": settings.stride,
+                 "intervals": list(settings.intervals), "seed": settings.seed, "l1_token_id": l1_id,
+                 "min_length": settings.min_length, "max_length": settings.max_length,
+                 "interval_seed": "sample_intervals(n_chunks, intervals, seed=(seed, sample_index))"},
+        "columns": list(rows.column_names),
+        "dtypes": {"token columns": "int32", "is_l1": "bool"},
+        "counts": counts,
+        "skipped": problems.as_dict(),
+        "histograms": {"raw_length": length_histogram(raw), "interval_chunks": interval_histogram(intervals)},
+        "settings": settings.to_dict(),
+        "inputs": inputs,
+        "tokenizer": tok_facts,
+    }
+
+
+def preview_stage1(settings: Stage1Settings, n: int) -> tuple[list[dict[str, Any]], Any]:
+    """The first ``n`` stage-1 rows, built lazily without writing anything (for ``--debug``)."""
+    tok = load_tokenizer(settings.tokenizer)
+    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    problems = InputProblems(strict=settings.strict)
+    store: dict[int, tuple[list[int], str, str]] = {}
+
+    def lengths():
+        for i, doc in enumerate(iter_documents(settings, problems)):
+            ids = tok(doc["text"], add_special_tokens=False)["input_ids"]
+            store[i] = (ids, doc["source"], doc["meta"])
+            yield i, len(ids)
+
+    rows = []
+    for index, span in enumerate(_spans(settings, lengths())):
+        rows.append(stage1_row(index, span, lambda d: store[d][0], lambda d: store[d][1:], settings,
+                               tok.eos_token_id, l1_id))
+        if len(rows) >= n:
+            break
+    if not rows:
+        raise DataError(f"no span of at least min_length={settings.min_length} tokens in the input")
+    return rows, tok

@@ -1,0 +1,180 @@
+"""Stage 2: chat-formatted long-context SFT samples with interleaved L1 tokens.
+
+Pipeline: read records (messages / ShareGPT / alpaca) or build long-context QA from SQuAD-style
+data -> render with the tokenizer's chat template, label the assistant answers (end-of-turn token
+included) -> drop or middle-truncate over-long samples -> interleave -> write atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .builtin import BUILTIN_QA_SOURCE, builtin_qa
+from .chat import render_conversation, truncate_middle
+from .errors import DataError, InputProblems
+from .formats import to_messages
+from .output import FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, reusable, write_manifest
+from .readers import expand_inputs, read_files, read_hub_dataset
+from .rows import features, plan_row
+from .settings import Stage2Settings
+from .squad import build_long_qa, load_squad_files, paragraphs_from_records, paragraphs_from_squad_json
+from .stage1 import build_manifest, describe_source, input_records
+from .tokenizer import load_tokenizer, tokenizer_facts
+
+
+def _squad_paragraphs(settings: Stage2Settings, problems: InputProblems):
+    if settings.builtin:
+        return paragraphs_from_squad_json(builtin_qa(), BUILTIN_QA_SOURCE, problems)
+    if settings.dataset_name:
+        return paragraphs_from_records(
+            read_hub_dataset(settings.dataset_name, settings.dataset_config, settings.dataset_split), problems)
+    files = expand_inputs(settings.inputs)
+    whole_json = [p for p in files if p.name.lower().endswith(".json")]
+    rows = [p for p in files if p not in whole_json]
+    return load_squad_files(whole_json, problems) + paragraphs_from_records(read_files(rows, problems), problems)
+
+
+def iter_examples(settings: Stage2Settings, tokenizer: Any, problems: InputProblems) -> Iterator[dict[str, str]]:
+    """Conversations as ``{"messages", "context", "source", "meta"}`` (JSON strings), in input order."""
+    if settings.format == "squad":
+        paragraphs = _squad_paragraphs(settings, problems)
+        if not paragraphs:
+            raise DataError("the SQuAD input holds no paragraph")
+        lengths = [len(x) for x in tokenizer([p.context for p in paragraphs], add_special_tokens=False)["input_ids"]]
+        for ex in build_long_qa(paragraphs, lengths, context_tokens=settings.context_tokens,
+                                questions_per_paragraph=settings.questions_per_paragraph, seed=settings.seed):
+            messages = ex.messages
+            if settings.system_prompt:
+                messages = [{"role": "system", "content": settings.system_prompt}, *messages]
+                context = (ex.context[0] + 1, *ex.context[1:])
+            else:
+                context = ex.context
+            yield {"messages": json.dumps(messages), "context": json.dumps(context),
+                   "source": f"squad:{ex.meta['id']}", "meta": json.dumps(ex.meta)}
+        return
+    for record in input_records(settings, problems):
+        try:
+            messages = to_messages(record.data, settings.format, settings.system_prompt)
+        except DataError as exc:
+            problems.report(record.source, record.line, str(exc))
+            continue
+        meta = {k: v for k, v in record.data.items() if k not in ("messages", "conversations", "instruction", "input", "output")}
+        yield {"messages": json.dumps(messages), "context": "null", "source": record.where,
+               "meta": json.dumps(meta, default=str)}
+
+
+def stage2_row(example: dict[str, str], sample_index: int, tokenizer: Any, settings: Stage2Settings,
+               l1_id: int) -> dict[str, Any]:
+    """One stage-2 row; ``status`` says ok / truncated / dropped:<reason> (dropped rows are empty)."""
+    context = json.loads(example["context"])
+    try:
+        rendered = render_conversation(tokenizer, json.loads(example["messages"]),
+                                       tuple(context) if context else None)
+    except DataError as exc:
+        if settings.strict:
+            raise DataError(f"{example['source']}: {exc}") from exc
+        return _dropped(sample_index, f"dropped:{exc}")
+    status = "ok"
+    if len(rendered.input_ids) > settings.max_length:
+        if settings.overlong == "drop":
+            return _dropped(sample_index, "dropped:overlong")
+        truncated = truncate_middle(rendered, settings.max_length)
+        if truncated is None:
+            return _dropped(sample_index, "dropped:overlong (context too short to cut)")
+        rendered, status = truncated, "truncated"
+    if len(rendered.input_ids) < settings.min_length:
+        return _dropped(sample_index, "dropped:shorter than min_length")
+    if rendered.num_answer_tokens == 0:
+        return _dropped(sample_index, "dropped:no answer token")
+    row = plan_row(rendered.input_ids, rendered.labels, settings, sample_index, l1_id)
+    meta = json.loads(example["meta"])
+    meta["source"] = example["source"]
+    row.update(meta=json.dumps(meta), num_answer_tokens=rendered.num_answer_tokens, status=status)
+    return row
+
+
+def _dropped(sample_index: int, status: str) -> dict[str, Any]:
+    # Typed empties: untyped [] makes Arrow infer float for a batch of only dropped rows.
+    empty = np.zeros(0, dtype=np.int32)
+    return {"input_ids": empty, "is_l1": np.zeros(0, dtype=bool), "chunk_ids": empty, "positions": empty, "memory_positions": empty,
+            "labels": empty, "raw_index": empty, "num_raw_tokens": 0, "intervals": empty,
+            "sample_index": sample_index, "meta": "{}", "num_answer_tokens": 0, "status": status}
+
+
+def _map_example(example: dict, index: int, tokenizer: Any, settings: Stage2Settings, l1_id: int) -> dict:
+    return stage2_row(example, index, tokenizer, settings, l1_id)
+
+
+def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
+    """Prepare the stage-2 dataset at ``settings.output``; reuse it if already made identically."""
+    import datasets
+
+    if settings.output is None:
+        raise DataError("stage 2 needs an output directory")
+    tok = load_tokenizer(settings.tokenizer)
+    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    tok_facts = tokenizer_facts(tok, settings.tokenizer)
+    inputs = describe_source(settings)
+    key = fingerprint(FORMAT_VERSION, "stage2", settings.output_dict(), inputs, tok_facts["fingerprint"])
+    if not settings.overwrite and (manifest := reusable(settings.output, key)):
+        log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")
+        return settings.output
+
+    problems = InputProblems(strict=settings.strict)
+    nproc = settings.num_proc if settings.num_proc > 1 else None
+    with tempfile.TemporaryDirectory(prefix="acre-prep-") as work_dir, \
+            atomic_output(settings.output, overwrite=settings.overwrite) as out:
+        work = Path(work_dir)
+
+        def generate():
+            yield from islice(iter_examples(settings, tok, problems), settings.max_samples)
+
+        examples = dataset_from_generator(generate, work / "gen", features=datasets.Features(
+            {k: datasets.Value("string") for k in ("messages", "context", "source", "meta")}))
+        if len(examples) == 0:
+            raise DataError(f"the input yields no conversation ({problems.total} bad records; see warnings above)")
+        rows = examples.map(
+            _map_example, with_indices=True, fn_kwargs={"tokenizer": tok, "settings": settings, "l1_id": l1_id},
+            remove_columns=examples.column_names, features=features(2), num_proc=nproc,
+            cache_file_name=str(work / "rows.arrow"), new_fingerprint=key[:32], desc="rendering",
+        )
+        statuses = Counter(rows["status"])
+        kept = rows.filter(lambda s: not s.startswith("dropped"), input_columns="status",
+                           cache_file_name=str(work / "kept.arrow"), new_fingerprint=key[32:64])
+        dropped = {s: c for s, c in sorted(statuses.items()) if s.startswith("dropped")}
+        if len(kept) == 0:
+            raise DataError(f"every one of {len(examples)} conversations was dropped: {dropped}")
+        kept = kept.remove_columns("status")
+        kept.save_to_disk(str(out))
+        extra = {"examples": len(examples), "truncated": statuses.get("truncated", 0),
+                 "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"]))}
+        manifest = build_manifest(2, settings, kept, inputs, tok_facts, l1_id, problems, key, extra)
+        manifest["dropped_by_reason"] = dropped
+        write_manifest(out, manifest)
+    log(f"wrote {len(kept)} samples to {settings.output} ({extra['truncated']} truncated, {extra['dropped']} dropped)")
+    return settings.output
+
+
+def preview_stage2(settings: Stage2Settings, n: int) -> tuple[list[dict[str, Any]], Any]:
+    """The first ``n`` kept stage-2 rows, built without writing anything (for ``--debug``)."""
+    tok = load_tokenizer(settings.tokenizer)
+    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    problems = InputProblems(strict=settings.strict)
+    rows, seen = [], 0
+    for index, example in enumerate(iter_examples(settings, tok, problems)):
+        seen += 1
+        row = stage2_row(example, index, tok, settings, l1_id)
+        if not row["status"].startswith("dropped"):
+            rows.append(row)
+        if len(rows) >= n:
+            break
+    if not rows:
+        raise DataError(f"no usable conversation among the first {seen} of the input")
+    return rows, tok

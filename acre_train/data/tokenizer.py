@@ -1,0 +1,55 @@
+"""Loading the recipe's tokenizer and fingerprinting it for the cache key."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from typing import Any
+
+from .errors import DataError
+
+
+def load_tokenizer(name: str) -> Any:
+    """``"tiny"`` / ``"tiny:<vocab>"``: :func:`tiny_tokenizer`; anything else: ``AutoTokenizer``."""
+    if name == "tiny" or name.startswith("tiny:"):
+        from .tiny_tokenizer import tiny_tokenizer
+
+        vocab = name.partition(":")[2]
+        tok = tiny_tokenizer(int(vocab)) if vocab else tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+        except Exception as exc:  # many exception types: missing dir, offline hub, bad files
+            raise DataError(f"could not load tokenizer {name!r}: {exc}") from exc
+        if not getattr(tok, "is_fast", False):
+            raise DataError(f"tokenizer {name!r} is not a fast tokenizer; label masks need offset mappings")
+    if tok.eos_token_id is None:
+        raise DataError(f"tokenizer {name!r} has no EOS token (needed as the default L1 id and separator)")
+    # We tokenize whole documents on purpose: silence the "longer than model_max_length" warning.
+    tok.model_max_length = sys.maxsize
+    return tok
+
+
+def tokenizer_fingerprint(tok: Any) -> str:
+    """Digest of everything about a tokenizer that changes token ids or chat rendering."""
+    digest = hashlib.sha256()
+    backend = getattr(tok, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else repr(tok.get_vocab())).encode("utf-8"))
+    for part in (tok.chat_template or "", str(tok.eos_token_id), str(tok.bos_token_id), str(tok.pad_token_id)):
+        digest.update(b"\0" + str(part).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def tokenizer_facts(tok: Any, name: str) -> dict[str, Any]:
+    """Tokenizer facts for the manifest."""
+    return {
+        "name": name,
+        "name_or_path": getattr(tok, "name_or_path", name),
+        "fingerprint": tokenizer_fingerprint(tok),
+        "vocab_size": len(tok),
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id,
+    }

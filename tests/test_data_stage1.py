@@ -1,0 +1,210 @@
+"""Stage-1 preparation end to end on small local files and the built-in text."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from acre_train.cli import main
+from acre_train.data import DataError, Stage1Settings, load_prepared, prepare_stage1, tiny_tokenizer
+from acre_train.modeling.interleave import IGNORE_INDEX, interleave, num_chunks, sample_intervals
+
+datasets.disable_progress_bars()
+
+PLAN = dict(first_chunk=64, stride=32, intervals=(4, 8, 16))
+
+
+def _ascii_docs() -> list[str]:
+    """ASCII prose (so any token span decodes to an exact substring of its document)."""
+    from pydoc_data.topics import topics
+
+    docs = ["".join(c for c in text if ord(c) < 128) for _, text in sorted(topics.items())]
+    return [d for d in docs if len(d) > 200][:30]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for i, text in enumerate(_ascii_docs()):
+            f.write(json.dumps({"text": text, "meta": {"doc": i}}) + "\n")
+    return path
+
+
+def _settings(tmp_path, inputs, name="out", **over) -> Stage1Settings:
+    values = dict(inputs=(str(inputs),), output=tmp_path / name, cache_dir=tmp_path / "cache",
+                  min_length=100, max_length=300, token_budget=20_000, seed=1, **PLAN)
+    values.update(over)
+    return Stage1Settings(**values)
+
+
+def _arrow_bytes(path: Path) -> list[bytes]:
+    return [p.read_bytes() for p in sorted(path.glob("*.arrow"))]
+
+
+def test_spans_respect_bounds_and_budget(tmp_path, corpus):
+    ds, manifest = load_prepared(prepare_stage1(_settings(tmp_path, corpus)))
+    lengths = ds["num_raw_tokens"]
+    assert len(ds) > 20
+    assert all(100 <= n <= 300 for n in lengths)
+    assert sum(lengths) <= 20_000
+    assert manifest["counts"]["raw_tokens"] == sum(lengths)
+    assert manifest["counts"]["total_tokens"] == sum(len(x) for x in ds["input_ids"])
+    assert sum(manifest["histograms"]["raw_length"].values()) == len(ds)
+    assert manifest["plan"]["l1_token_id"] == tiny_tokenizer().eos_token_id
+    assert manifest["inputs"][0]["sha256"] and manifest["complete"] is True
+    for column in ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels",
+                   "raw_index", "num_raw_tokens", "intervals", "sample_index"):
+        assert column in ds.column_names
+
+
+def test_same_seed_is_byte_identical_and_other_seed_changes_intervals(tmp_path, corpus):
+    a = prepare_stage1(_settings(tmp_path, corpus, "a"))
+    b = prepare_stage1(_settings(tmp_path, corpus, "b", cache_dir=tmp_path / "other-cache"))
+    c = prepare_stage1(_settings(tmp_path, corpus, "c", seed=2))
+    assert _arrow_bytes(a) == _arrow_bytes(b) and _arrow_bytes(a)
+    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (a, b))
+    assert ma["counts"] == mb["counts"] and ma["fingerprint"] == mb["fingerprint"]
+    ia, ic = load_prepared(a)[0]["intervals"], load_prepared(c)[0]["intervals"]
+    assert ia != ic
+
+
+def test_every_l1_slot_is_where_the_plan_puts_it(tmp_path, corpus):
+    settings = _settings(tmp_path, corpus)
+    ds, manifest = load_prepared(prepare_stage1(settings))
+    l1_id = manifest["plan"]["l1_token_id"]
+    for row in ds.with_format("numpy"):
+        is_l1 = row["is_l1"].astype(bool)
+        raw = row["input_ids"][~is_l1]
+        expected_intervals = sample_intervals(num_chunks(len(raw), 64, 32), (4, 8, 16),
+                                              seed=(1, int(row["sample_index"])))
+        assert row["intervals"].tolist() == expected_intervals
+        plan = interleave(raw, first_chunk=64, stride=32, intervals=expected_intervals, l1_token_id=l1_id)
+        for key, value in plan.as_dict().items():
+            np.testing.assert_array_equal(row[key], value, err_msg=key)
+        assert (row["input_ids"][is_l1] == l1_id).all()
+        assert (row["labels"][is_l1] == IGNORE_INDEX).all()
+
+
+def test_decoding_raw_tokens_gives_back_the_source_span(tmp_path, corpus):
+    tok = tiny_tokenizer()
+    docs = _ascii_docs()
+    ds, _ = load_prepared(prepare_stage1(_settings(tmp_path, corpus)))
+    checked = 0
+    for row in ds:
+        segments = json.loads(row["meta"])
+        raw = [t for t, l1 in zip(row["input_ids"], row["is_l1"]) if not l1]
+        if len(segments) == 1:
+            seg = segments[0]
+            text = tok.decode(raw)
+            source = docs[seg["meta"]["doc"]]
+            assert text in source
+            assert raw == tok(source, add_special_tokens=False)["input_ids"][seg["start"]:seg["end"]]
+            checked += 1
+        else:  # packed: the pieces are joined by exactly one EOS each
+            assert raw.count(tok.eos_token_id) == len(segments) - 1
+    assert checked > 10
+
+
+def test_all_input_formats_give_the_same_samples(tmp_path, corpus):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    lines = corpus.read_text()
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    records = [json.loads(line) for line in lines.splitlines()]
+    pq.write_table(pa.table({"text": [r["text"] for r in records], "meta": [json.dumps(r["meta"]) for r in records]}),
+                   tmp_path / "d.parquet")
+    reference = load_prepared(prepare_stage1(_settings(tmp_path, corpus, "ref")))[0]["input_ids"]
+    for name in ("d.jsonl.gz", "d.jsonl.zst", "d.parquet"):
+        got = load_prepared(prepare_stage1(_settings(tmp_path, tmp_path / name, name + ".out")))[0]["input_ids"]
+        assert got == reference, name
+
+
+def test_bad_records_are_counted_reported_or_fatal(tmp_path, corpus, capsys):
+    path = tmp_path / "mixed.jsonl"
+    good = corpus.read_text().splitlines()
+    path.write_text("\n".join([good[0], "{broken", json.dumps({"txt": "x"}), json.dumps({"text": 5}), *good[1:]]) + "\n")
+    _, manifest = load_prepared(prepare_stage1(_settings(tmp_path, path)))
+    skipped = manifest["skipped"]
+    assert skipped["total"] == 3
+    assert [(e["source"], e["line"]) for e in skipped["examples"]] == [(str(path), 2), (str(path), 3), (str(path), 4)]
+    assert f"{path}:3: missing field 'text'" in capsys.readouterr().err
+    with pytest.raises(DataError, match=rf"{path}:2: malformed JSON"):
+        prepare_stage1(_settings(tmp_path, path, "strict", strict=True, cache_dir=tmp_path / "c2"))
+    assert not (tmp_path / "strict").exists()
+
+
+def test_input_without_any_sample_says_why(tmp_path):
+    path = tmp_path / "short.jsonl"
+    path.write_text(json.dumps({"text": "tiny"}) + "\n")
+    with pytest.raises(DataError, match="below min_length=100"):
+        prepare_stage1(_settings(tmp_path, path, pack=False))
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, corpus, monkeypatch):
+    original = datasets.Dataset.save_to_disk
+
+    def save_then_die(self, path, *args, **kwargs):
+        original(self, path, *args, **kwargs)
+        if Path(path).name.startswith(".out.partial-"):
+            raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_stage1(_settings(tmp_path, corpus))
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.*"))
+    with pytest.raises(DataError, match="no such prepared dataset"):
+        load_prepared(tmp_path / "out")
+    monkeypatch.undo()
+    # A directory without a complete manifest (e.g. a killed copy) is refused, not half-read.
+    (tmp_path / "fake").mkdir()
+    with pytest.raises(DataError, match="did not finish"):
+        load_prepared(tmp_path / "fake")
+    assert load_prepared(prepare_stage1(_settings(tmp_path, corpus)))[1]["complete"]
+
+
+def test_rerun_reuses_and_changed_settings_need_overwrite(tmp_path, corpus):
+    out = prepare_stage1(_settings(tmp_path, corpus))
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    messages = []
+    prepare_stage1(_settings(tmp_path, corpus, num_proc=1), log=messages.append)
+    assert "reusing" in messages[0] and (out / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(DataError, match="--overwrite"):
+        prepare_stage1(_settings(tmp_path, corpus, min_length=120))
+    prepare_stage1(_settings(tmp_path, corpus, min_length=120, overwrite=True))
+    assert min(load_prepared(out)[0]["num_raw_tokens"]) >= 120
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_rows(tmp_path, corpus):
+    one = load_prepared(prepare_stage1(_settings(tmp_path, corpus, "one")))[0]
+    two = load_prepared(prepare_stage1(_settings(tmp_path, corpus, "two", num_proc=2, cache_dir=tmp_path / "c2")))[0]
+    assert one.to_dict() == two.to_dict()
+
+
+def test_unknown_settings_key_is_named():
+    with pytest.raises(DataError, match="min_lenght"):
+        Stage1Settings.from_dict({"builtin": True, "min_lenght": 5})
+
+
+def test_cli_run_and_debug_on_builtin_text(tmp_path, capsys):
+    args = ["preprocess", "stage1", "--builtin", "--min-length", "64", "--max-length", "128", "--first-chunk", "48",
+            "--stride", "32", "--intervals", "8,16", "--budget", "3000", "--cache-dir", str(tmp_path / "c")]
+    assert main([*args, "--debug", "2", "--color", "never", "--output", str(tmp_path / "o")]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("sample ") == 2 and "[L1]" in shown and "{{" in shown and "\033[" not in shown
+    assert not (tmp_path / "o").exists()  # --debug writes nothing
+    assert main([*args, "--output", str(tmp_path / "o")]) == 0
+    ds, manifest = load_prepared(tmp_path / "o")
+    assert manifest["settings"]["builtin"] and sum(ds["num_raw_tokens"]) <= 3000
+    assert main([*args]) == 2 and "--output is required" in capsys.readouterr().err

@@ -1,0 +1,156 @@
+"""Stage-2 preparation: chat rendering, label masks, formats, SQuAD long-context QA, truncation."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pytest
+
+from acre_train.cli import main
+from acre_train.data import DataError, Stage2Settings, builtin_qa, load_prepared, prepare_stage2, tiny_tokenizer
+from acre_train.data.chat import render_conversation, truncate_middle
+from acre_train.data.formats import to_messages
+from acre_train.modeling.interleave import IGNORE_INDEX
+
+datasets.disable_progress_bars()
+
+PLAN = dict(first_chunk=64, stride=32, intervals=(4, 8))
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And three plus three?"},
+    {"role": "assistant", "content": "Six, of course."},
+]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_golden_labels_cover_exactly_the_assistant_answers():
+    tok = tiny_tokenizer()
+    rendered = render_conversation(tok, CONVERSATION)
+    ids, labels = rendered.input_ids, rendered.labels
+    assert ids.tolist() == tok(rendered.text, add_special_tokens=False)["input_ids"]
+    runs = _runs(labels != IGNORE_INDEX)
+    assert [tok.decode(ids[a:b]) for a, b in runs] == ["Four.<|im_end|>", "Six, of course.<|im_end|>"]
+    for a, b in runs:
+        assert (labels[a:b] == ids[a:b]).all()
+        assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")  # the prompt is not trained
+        assert tok.decode(ids[b:b + 1]) == "\n"  # template glue after the end-of-turn: not trained
+    assert rendered.num_answer_tokens == sum(b - a for a, b in runs)
+
+
+def test_prepared_row_targets_are_the_answer_tokens(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    ds, manifest = load_prepared(prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "o", **PLAN)))
+    row = ds.with_format("numpy")[0]
+    tok = tiny_tokenizer()
+    raw_slots = ~row["is_l1"].astype(bool)
+    raw_ids, raw_labels = row["input_ids"][raw_slots], row["labels"][raw_slots]
+    # Labels are shifted over the raw sequence: raw token p predicts raw token p + 1.
+    targets = np.zeros(len(raw_ids), dtype=bool)
+    targets[1:] = raw_labels[:-1] != IGNORE_INDEX
+    assert [tok.decode(raw_ids[a:b]) for a, b in _runs(targets)] == ["Four.<|im_end|>", "Six, of course.<|im_end|>"]
+    assert (raw_labels[:-1][raw_labels[:-1] != IGNORE_INDEX] == raw_ids[1:][targets[1:]]).all()
+    assert row["num_answer_tokens"] == targets.sum() == manifest["counts"]["answer_tokens"]
+
+
+def test_messages_sharegpt_and_alpaca_give_the_same_sample(tmp_path):
+    user, answer = "Summarise: the cat sat on the mat.", "A cat sat."
+    records = [
+        {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]},
+        {"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]},
+        {"instruction": "Summarise:", "input": "the cat sat on the mat.", "output": answer},
+    ]
+    records[2]["instruction"] = "Summarise: the cat sat on the mat."
+    records[2]["input"] = ""
+    assert to_messages(records[0]) == to_messages(records[1]) == to_messages(records[2])
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds, _ = load_prepared(prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "o",
+                                                        intervals=(8,), first_chunk=64, stride=32)))
+    assert ds[0]["input_ids"] == ds[1]["input_ids"] == ds[2]["input_ids"]
+    assert ds[0]["labels"] == ds[1]["labels"] == ds[2]["labels"]
+
+
+def test_bad_conversations_reported_with_line_numbers(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"messages": CONVERSATION})
+    path.write_text("\n".join([good, json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                               json.dumps({"foo": 1}), "{oops", good]) + "\n")
+    _, manifest = load_prepared(prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "o", **PLAN)))
+    assert [e["line"] for e in manifest["skipped"]["examples"]] == [2, 3, 4]
+    assert manifest["counts"]["samples"] == 2
+    with pytest.raises(DataError, match=rf"{path}:2: no assistant turn"):
+        prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "s", strict=True, **PLAN))
+
+
+@pytest.fixture(scope="module")
+def squad(tmp_path_factory):
+    out = tmp_path_factory.mktemp("squad") / "o"
+    settings = Stage2Settings(builtin=True, output=out, context_tokens=1000, max_length=100_000,
+                              questions_per_paragraph=2, **PLAN)
+    return load_prepared(prepare_stage2(settings))
+
+
+def test_gold_paragraph_is_in_every_built_context(squad):
+    ds, manifest = squad
+    tok = tiny_tokenizer()
+    paragraphs = [p["context"] for a in builtin_qa()["data"] for p in a["paragraphs"]]
+    depths = set()
+    assert len(ds) > 60 and manifest["counts"]["truncated"] == 0
+    for row in ds:
+        meta = json.loads(row["meta"])
+        text = tok.decode([t for t, l1 in zip(row["input_ids"], row["is_l1"]) if not l1])
+        assert paragraphs[meta["gold_paragraph"]] in text
+        assert meta["question"] in text and text.rstrip().endswith(meta["answer"] + "<|im_end|>")
+        assert meta["num_paragraphs"] > 1
+        depths.add(meta["gold_depth"])
+    assert len(depths) > 2  # the gold paragraph moves around
+
+
+def test_middle_truncation_keeps_question_and_answer_and_drop_counts(tmp_path, squad):
+    full, _ = squad
+    limit = int(np.median(full["num_raw_tokens"]))
+    over = sum(n > limit for n in full["num_raw_tokens"])
+    assert 5 < over < len(full)
+    common = dict(builtin=True, context_tokens=1000, max_length=limit, questions_per_paragraph=2, **PLAN)
+    ds, manifest = load_prepared(prepare_stage2(Stage2Settings(output=tmp_path / "t", **common)))
+    tok = tiny_tokenizer()
+    assert manifest["counts"]["truncated"] == over and len(ds) == len(full)
+    for row in ds:
+        assert row["num_raw_tokens"] <= limit
+        meta = json.loads(row["meta"])
+        raw = np.asarray([t for t, l1 in zip(row["input_ids"], row["is_l1"]) if not l1])
+        text = tok.decode(raw)
+        assert f"Question: {meta['question']}<|im_end|>" in text
+        assert text.endswith(f"<|im_start|>assistant\n{meta['answer']}<|im_end|>\n")
+        assert text.startswith("<|im_start|>user\n")
+    _, dropped = load_prepared(prepare_stage2(Stage2Settings(output=tmp_path / "d", overlong="drop", **common)))
+    assert dropped["counts"]["dropped"] == over and dropped["counts"]["samples"] == len(full) - over
+
+
+def test_truncate_middle_cuts_only_the_context():
+    tok = tiny_tokenizer()
+    context = " ".join(f"word{i}" for i in range(200))
+    messages = [{"role": "user", "content": context + "\nQ: which?"}, {"role": "assistant", "content": "That."}]
+    rendered = render_conversation(tok, messages, (0, 0, len(context)))
+    cut = truncate_middle(rendered, len(rendered.input_ids) - 300)
+    assert len(cut.input_ids) == len(rendered.input_ids) - 300
+    text = tok.decode(cut.input_ids)
+    assert "word0 " in text and "word199" in text and "word100 " not in text and "\nQ: which?" in text
+    assert tok.decode(cut.input_ids[cut.labels != IGNORE_INDEX]) == "That.<|im_end|>"
+    assert truncate_middle(rendered, 10) is None  # the rest alone does not fit
+
+
+def test_cli_stage2_debug_plain_markers(capsys):
+    assert main(["preprocess", "stage2", "--builtin", "--context-tokens", "200", "--first-chunk", "64",
+                 "--stride", "32", "--debug", "1", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "[L1]" in out and "{{" in out and "<|im_end|>}}" in out and "\033[" not in out
