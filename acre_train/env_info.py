@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import platform
 import sys
 
@@ -29,7 +28,7 @@ def collect() -> dict[str, str]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
-        "deepspeed": _version("deepspeed") if os.environ.get("ACRE_ENV_SKIP_DS") is None else "skipped",
+        "deepspeed": _version("deepspeed"),
         "accelerate": _version("accelerate"),
         "peft": _version("peft"),
         "datasets": _version("datasets"),
