@@ -307,3 +307,23 @@ def test_plain_calls_still_behave_like_the_base_model():
 def test_tiny_config_has_gqa():
     config = tiny_config("llama")
     assert config.num_key_value_heads < config.num_attention_heads
+
+
+@pytest.mark.parametrize("num_prefix,length", [(0, 5), (3, 1), (4, 4), (7, 3), (2, 9)])
+def test_chunk_mask_is_the_rule_and_the_padded_causal_form(num_prefix, length):
+    from acre_train.modeling.visibility import chunk_mask, visible
+
+    mask = chunk_mask(num_prefix, length, torch.device("cpu"))[0, 0]
+    # From the rule directly: memory keys of an earlier chunk, then the chunk's own keys.
+    q_pos = torch.arange(length)
+    expected = torch.stack([
+        torch.stack([
+            visible(torch.tensor(1), q_pos[i], torch.tensor(0 if k < num_prefix else 1),
+                    torch.tensor(0 if k < num_prefix else k - num_prefix), torch.tensor(k < num_prefix))
+            for k in range(num_prefix + length)
+        ]) for i in range(length)
+    ])
+    assert torch.equal(mask, expected)
+    # The SDPA fast path relies on this: rows P.. of a square causal mask.
+    square = torch.ones(num_prefix + length, num_prefix + length, dtype=torch.bool).tril()
+    assert torch.equal(mask, square[num_prefix:])

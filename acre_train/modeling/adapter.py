@@ -193,8 +193,11 @@ class AcreLayout:
 # ----------------------------------------------------------------------------------------- forward
 
 def default_kernel(device: torch.device | str) -> str:
-    """flex on CUDA (block-sparse), chunked elsewhere (memory grows with the chunk only)."""
-    return "flex" if torch.device(device).type == "cuda" else "chunked"
+    """``chunked`` everywhere: memory grows with the chunk only and SDPA's causal (flash) kernels
+    apply on every device. ``flex`` is opt-in: it is checked against the reference here (forward, CPU)
+    but its CUDA training path has not been measured by this project yet."""
+    del device
+    return "chunked"
 
 
 def build_layout(

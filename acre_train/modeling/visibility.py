@@ -4,9 +4,10 @@ There is exactly one definition of who sees whom (``visible``). Every kernel bui
 
 * ``dense``:   one pass over ``n + m`` keys (the tokens, then the L1 tokens a second time at their
   memory positions) with a boolean/additive mask — eager or SDPA, fine on CPU for short inputs.
-* ``flex``:    the same key layout with a flex-attention ``BlockMask`` — the GPU path.
+* ``flex``:    the same key layout with a flex-attention ``BlockMask`` (block-sparse; opt-in, CUDA
+  for training since flex has no CPU backward).
 * ``chunked``: a loop over chunks, each attending to ``[L1 memory of earlier chunks ; chunk]`` —
-  memory grows with the chunk, not with the sequence; the CPU default and the inference path.
+  memory grows with the chunk, not with the sequence; the default and the inference path.
 
 The actual softmax is always done by the transformers attention interface (``sdpa``, ``eager`` or
 ``flex_attention``), so GQA handling and backends stay the library's.
@@ -94,7 +95,9 @@ def flex_block_mask(chunk_ids: torch.Tensor, positions: torch.Tensor, memory: Me
     def mask_mod(b, h, q_idx, kv_idx):
         return visible(chunk_ids[b, q_idx], positions[b, q_idx], k_chunk[b, kv_idx], k_pos[b, kv_idx], k_is_memory[kv_idx])
 
-    return create_block_mask(mask_mod, chunk_ids.shape[0], None, n, k_chunk.shape[1], device=chunk_ids.device)
+    # Compiled block-mask construction never materialises the full n x (n + m) grid (needed at 64K).
+    compile_mask = chunk_ids.device.type == "cuda"
+    return create_block_mask(mask_mod, chunk_ids.shape[0], None, n, k_chunk.shape[1], device=chunk_ids.device, _compile=compile_mask)
 
 
 def chunk_mask(num_prefix: int, length: int, device: torch.device) -> torch.Tensor:
@@ -206,13 +209,14 @@ class AttentionKernel:
                 k_parts.insert(0, prefix[0][b : b + 1].to(key.dtype))
                 v_parts.insert(0, prefix[1][b : b + 1].to(value.dtype))
             num_prefix = sum(p.shape[2] for p in k_parts[:-1])
-            mask = masks.get((num_prefix, e - s))
-            if mask is None:
-                mask = chunk_mask(num_prefix, e - s, query.device)
-                if self.backend == "eager":
-                    mask = to_additive(mask, query.dtype)
-                masks[(num_prefix, e - s)] = mask
-            out = fn(module, query[b : b + 1, :, s:e], torch.cat(k_parts, 2), torch.cat(v_parts, 2), mask, dropout=0.0, scaling=module.scaling)[0]
+            keys, values, q = torch.cat(k_parts, 2), torch.cat(v_parts, 2), query[b : b + 1, :, s:e]
+            if self.backend == "sdpa":
+                out = _prefix_causal_sdpa(fn, module, q, keys, values, num_prefix)
+            else:
+                mask = masks.get((num_prefix, e - s))
+                if mask is None:
+                    mask = masks[(num_prefix, e - s)] = to_additive(chunk_mask(num_prefix, e - s, query.device), query.dtype)
+                out = fn(module, q, keys, values, mask, dropout=0.0, scaling=module.scaling)[0]
             if s > filled[b]:  # padding or skipped tokens before this segment
                 outputs[b].append(query.new_zeros(1, s - filled[b], heads, dim))
             outputs[b].append(out)
@@ -221,6 +225,22 @@ class AttentionKernel:
             if filled[b] < n:
                 outputs[b].append(query.new_zeros(1, n - filled[b], heads, dim))
         return torch.cat([torch.cat(parts, dim=1) for parts in outputs], dim=0)
+
+
+def _prefix_causal_sdpa(fn, module, query, keys, values, num_prefix: int) -> torch.Tensor:
+    """``chunk_mask`` attention through SDPA's ``is_causal`` path (flash kernels, no mask tensor).
+
+    ``chunk_mask(P, L)`` is rows ``P..P+L`` of a square causal mask, so ``P`` zero queries are put in
+    front, the square causal problem is solved, and their rows are dropped. A single query sees
+    every key and needs no mask at all.
+    """
+    length = query.shape[2]
+    if length == 1:
+        return fn(module, query, keys, values, None, dropout=0.0, scaling=module.scaling, is_causal=False)[0]
+    if num_prefix:
+        query = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
+    out = fn(module, query, keys, values, None, dropout=0.0, scaling=module.scaling, is_causal=True)[0]
+    return out[:, num_prefix:]
 
 
 def _interface(backend: str):
