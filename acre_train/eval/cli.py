@@ -1,0 +1,68 @@
+"""``acre-train eval``: methods side by side on long-context QA tasks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local HF model folder (or hub id if cached)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
+    parser.add_argument("--tasks", required=True,
+                        help="a task JSONL file, or comma-separated built-ins: squad, niah_single, niah_multikey, "
+                             "niah_multivalue, vt, ruler")
+    parser.add_argument("--methods", default="full,cachefocus,infoflow",
+                        help="comma-separated method specs name[:key=value...], e.g. "
+                             "'full,truncated:budget=2048,cachefocus:allocation=sort,infoflow:ratio=0.15'")
+    parser.add_argument("--out", default="eval_out", help="output folder (default: eval_out)")
+    parser.add_argument("--context-tokens", type=int, default=4096, help="built-in tasks: context length in tokens")
+    parser.add_argument("--num-examples", type=int, default=10, help="built-in tasks: examples per task")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="chunk size for 'context' examples")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--recall-k", type=int, default=5)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--save-tasks", default=None, help="also write the examples used to this JSONL file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .harness import EvalConfig, evaluate
+    from .methods import parse_methods
+    from .tasks import resolve_tasks, save_jsonl
+
+    try:
+        methods = parse_methods(args.methods)
+    except ValueError as exc:
+        print(f"acre-train eval: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    if not Path(args.model).exists():
+        print(f"acre-train eval: note: {args.model!r} is not a local folder; trying it as a hub id", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
+                                                 attn_implementation=args.attn_implementation).to(device)
+    try:
+        examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"acre-train eval: {exc}", file=sys.stderr)
+        return 2
+    if args.save_tasks:
+        save_jsonl(examples, args.save_tasks)
+    config = EvalConfig(args.max_new_tokens, args.chunk_tokens, args.recall_k, progress=not args.no_progress)
+    report = evaluate(model, tokenizer, examples, methods, config=config, out_dir=args.out)
+    print(Path(report.files["table"]).read_text(encoding="utf-8"))
+    for kind, path in report.files.items():
+        print(f"{kind}: {path}")
+    return 0

@@ -1,0 +1,219 @@
+"""Run methods over examples; write predictions JSONL, a JSON summary, a Markdown table and a plot.
+
+Python API::
+
+    from acre_train.eval import evaluate, build_task, parse_methods
+    report = evaluate(model, tokenizer, build_task("squad", tokenizer, 4096, 20),
+                      parse_methods("full,cachefocus,infoflow"), out_dir="eval_out")
+    report.summary["overall"]["cachefocus"]["score"]
+
+Every method answers every example with the same prompt pieces, the same greedy decoding and the
+same stop tokens. ``score`` is each example's primary metric (its ``metric`` field).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import metrics
+from .memory import PeakMemory
+from .methods.base import EvalMethod, GenerationConfig, Timer
+from .prompt import PreparedExample, prepare_example
+from .tasks import Example
+
+COST_KEYS = ("kv_attended", "tokens_prefilled", "token_layers_computed", "token_layers_recomputed", "kv_bytes",
+             "prepare_s", "ttft_s", "wall_s", "peak_memory_bytes")
+
+
+@dataclass
+class EvalConfig:
+    max_new_tokens: int = 32
+    chunk_tokens: int = 512
+    recall_k: int = 5
+    progress: bool = True
+
+
+@dataclass
+class EvalReport:
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config."""
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None),
+                                                                  "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return ids
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def run_one(model, tokenizer, method: EvalMethod, prepared: PreparedExample, generation: GenerationConfig,
+            recall_k: int) -> dict[str, Any]:
+    """One method on one example: prediction, metrics and cost as a flat dict."""
+    ex = prepared.example
+    device = _device(model)
+    with torch.no_grad(), PeakMemory(device) as mem:
+        timer = Timer(device)
+        state = method.prepare(model, tokenizer, prepared)
+        prepare_s = timer.elapsed()
+        result = method.answer(model, tokenizer, prepared, state, generation)
+        wall = timer.elapsed()
+        del state
+    cost = result.cost
+    cost.prepare_s, cost.wall_s, cost.peak_memory_bytes = prepare_s, wall, mem.peak_bytes
+    scores = metrics.score_answer(result.prediction, ex.answers, ex.substring_mode)
+    row: dict[str, Any] = {"id": ex.id, "task": ex.task, "method": method.label(), "prediction": result.prediction,
+                           "answers": ex.answers, **scores, "score": scores[ex.metric]}
+    gold = prepared.gold_docs
+    row[f"recall@{recall_k}"] = (metrics.recall_at_k(result.doc_ranking, gold, recall_k)
+                                 if gold and result.doc_ranking is not None else None)
+    row["evidence_recall"] = (metrics.evidence_recall(result.kept_docs, gold)
+                              if gold and result.kept_docs is not None else None)
+    row.update(cost.to_dict())
+    row.update({"prompt_tokens": len(prepared), "num_docs": prepared.num_docs, "gold_docs": gold,
+                "kept_docs": result.kept_docs, "doc_ranking": result.doc_ranking, **result.extra})
+    return row
+
+
+def evaluate(model, tokenizer, examples: Sequence[Example], methods: Sequence[EvalMethod], *,
+             config: EvalConfig | None = None, out_dir: str | Path | None = None) -> EvalReport:
+    """Answer every example with every method; summarise; write files when ``out_dir`` is given."""
+    from tqdm.auto import tqdm
+
+    config = config or EvalConfig()
+    if not examples:
+        raise ValueError("no examples to evaluate")
+    generation = GenerationConfig(config.max_new_tokens, stop_ids(model, tokenizer))
+    model.eval()
+    rows: list[dict[str, Any]] = []
+    bar = tqdm(total=len(examples) * len(methods), desc="eval", unit="answer", disable=not config.progress)
+    for ex in examples:
+        prepared = prepare_example(tokenizer, ex, config.chunk_tokens)
+        for method in methods:
+            bar.set_postfix_str(f"{ex.task} {method.label()}", refresh=False)
+            rows.append(run_one(model, tokenizer, method, prepared, generation, config.recall_k))
+            bar.update()
+    bar.close()
+    report = EvalReport(rows, summarize(rows, [m.label() for m in methods]))
+    if out_dir is not None:
+        report.files = write_outputs(report, Path(out_dir))
+    return report
+
+
+def _mean(vals: list[float]) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _group(rows: list[dict[str, Any]], labels: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    metric_keys = [k for k in rows[0] if k in {"score", "qa_f1", "exact_match", "substring", "rouge_l",
+                                               "evidence_recall"} or k.startswith("recall@")]
+    for label in labels:
+        mine = [r for r in rows if r["method"] == label]
+        if not mine:
+            continue
+        entry: dict[str, Any] = {"n": len(mine)}
+        entry.update(metrics.aggregate([{k: r[k] for k in metric_keys} for r in mine]))
+        entry.update({k: _mean([r[k] for r in mine]) for k in COST_KEYS})
+        out[label] = entry
+    base = out.get("full")
+    for entry in out.values():  # cost ratios to `full`, the reference row
+        for k in ("ttft_s", "peak_memory_bytes", "kv_attended", "token_layers_computed"):
+            b = base.get(k) if base else None
+            entry[f"{k}_vs_full"] = entry[k] / b if b and entry.get(k) is not None else None
+    return out
+
+
+def summarize(rows: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
+    """``{"overall": {method: {...}}, "by_task": {task: {method: {...}}}}``, metrics as means × 100."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    return {"overall": _group(rows, labels),
+            "by_task": {t: _group([r for r in rows if r["task"] == t], labels) for t in tasks}}
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """One table per task plus an overall one."""
+    cols = [("score", "score", 1), ("qa_f1", "F1", 1), ("exact_match", "EM", 1), ("substring", "substr", 1),
+            ("rouge_l", "ROUGE-L", 1), (None, "recall@k", 1), ("evidence_recall", "evid. recall", 1),
+            ("kv_attended", "KV attended", 0), ("tokens_prefilled", "prefilled", 0),
+            ("token_layers_recomputed", "tok-layers recomp.", 0), ("ttft_s", "TTFT s", 3),
+            ("ttft_s_vs_full", "TTFT/full", 2), ("peak_memory_bytes", "peak MiB", 1)]
+    out: list[str] = []
+    sections = [("overall", summary["overall"])] + list(summary["by_task"].items())
+    for title, group in sections:
+        out.append(f"### {title}\n")
+        out.append("| method | n | " + " | ".join(c[1] for c in cols) + " |")
+        out.append("|---|---:|" + "---:|" * len(cols))
+        for label, e in group.items():
+            cells = []
+            for key, _, digits in cols:
+                if key is None:
+                    key = next((k for k in e if k.startswith("recall@")), "")
+                v = e.get(key)
+                if key == "peak_memory_bytes" and v is not None:
+                    v = v / 2**20
+                cells.append(_fmt(v, digits))
+            out.append(f"| {label} | {e['n']} | " + " | ".join(cells) + " |")
+        out.append("")
+    out.append("Metrics are means × 100. score = each example's primary metric; recall@k over the method's "
+               "document ranking; evidence recall over the documents it kept. ROUGE-L: rouge-score rougeL F.")
+    return "\n".join(out) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Quality (score) against mean attended KV entries, one point per method, one panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, e in summary["overall"].items():
+        if e.get("kv_attended") is None or e.get("score") is None:
+            continue
+        ax.scatter(e["kv_attended"], e["score"], s=36)
+        ax.annotate(label, (e["kv_attended"], e["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("KV entries attended at the first decoding step (mean per layer)")
+    ax.set_ylabel("score (mean × 100)")
+    ax.set_title("Quality vs attended-KV budget")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(report: EvalReport, out_dir: Path) -> dict[str, str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"predictions": out_dir / "predictions.jsonl", "summary": out_dir / "summary.json",
+             "table": out_dir / "results.md", "plot": out_dir / "quality_vs_kv.png"}
+    with open(files["predictions"], "w", encoding="utf-8") as f:
+        for r in report.rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    files["summary"].write_text(json.dumps(report.summary, indent=2) + "\n", encoding="utf-8")
+    files["table"].write_text(markdown_table(report.summary), encoding="utf-8")
+    plot(report.summary, files["plot"])
+    return {k: str(v) for k, v in files.items()}

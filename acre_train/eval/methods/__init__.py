@@ -1,0 +1,70 @@
+"""Method registry: name -> class. Every row of the evaluation table is one of these.
+
+A method is a dataclass subclass of ``EvalMethod`` whose fields are its options; it implements
+``prepare(model, tokenizer, example) -> state`` (query-independent work, may return None) and
+``answer(model, tokenizer, example, state, generation) -> MethodResult`` (prediction + ``CostRecord``).
+To add a row (e.g. ``acre``, ``acre-l1``), write such a class and add it to ``METHODS``.
+
+Specs on the command line: ``name`` or ``name:key=value:key=value``, e.g. ``truncated:budget=2048``,
+``infoflow:ratio=0.3:reorder=true``, ``cachefocus:allocation=sort``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult
+from .cachefocus import CacheFocus
+from .full import Full, Truncated
+from .infoflow import CacheBlend, Epic, InfoFlow, NoRecompute
+
+METHODS: dict[str, type[EvalMethod]] = {
+    cls.name: cls for cls in (Full, Truncated, CacheFocus, InfoFlow, NoRecompute, CacheBlend, Epic)
+}
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _convert(raw: str, kind: type, where: str):
+    if kind is bool:
+        if raw.lower() in _TRUE | _FALSE:
+            return raw.lower() in _TRUE
+        raise ValueError(f"{where}: expected true/false, got {raw!r}")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{where}: expected {kind.__name__}, got {raw!r}") from None
+
+
+def parse_method(spec: str) -> EvalMethod:
+    """Build a method from ``name[:key=value...]``; unknown names and options are errors that list the valid ones."""
+    name, *opts = [x.strip() for x in spec.strip().split(":")]
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    cls = METHODS[name]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {}
+    for opt in opts:
+        if "=" not in opt:
+            raise ValueError(f"method {spec!r}: option {opt!r} is not key=value")
+        key, raw = opt.split("=", 1)
+        if key not in fields:
+            raise ValueError(f"method {name!r} has no option {key!r}; options: {', '.join(sorted(fields)) or 'none'}")
+        kwargs[key] = _convert(raw, hints[key], f"method {name!r} option {key!r}")
+    return cls(**kwargs)
+
+
+def parse_methods(specs: str) -> list[EvalMethod]:
+    """Comma-separated specs -> methods (labels must be distinct)."""
+    methods = [parse_method(s) for s in specs.split(",") if s.strip()]
+    if not methods:
+        raise ValueError("no methods given")
+    labels = [m.label() for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate method rows: {labels}")
+    return methods
+
+
+__all__ = ["METHODS", "EvalMethod", "MethodResult", "CostRecord", "GenerationConfig", "parse_method", "parse_methods"]

@@ -1,0 +1,119 @@
+"""``full`` and ``truncated``: the plain model on the (possibly shortened) concatenated prompt.
+
+Both run the library's own forward with its ``DynamicCache``: they are the reference the
+cache-editing methods are compared against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ..prompt import PreparedExample
+from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, decode_text
+
+
+def _doc_spans(example: PreparedExample) -> list[tuple[int, int]]:
+    """Token range of every document in prompt coordinates."""
+    spans, pos = [], len(example.prefix_ids)
+    for d in example.doc_ids:
+        spans.append((pos, pos + len(d)))
+        pos += len(d)
+    return spans
+
+
+def _kept_docs(spans: list[tuple[int, int]], kept: list[tuple[int, int]]) -> list[int]:
+    """Documents with at least one token inside a kept prompt range."""
+    return [i for i, (a, b) in enumerate(spans) if any(a < kb and b > ka for ka, kb in kept)]
+
+
+def middle_keep(n: int, budget: int) -> list[tuple[int, int]]:
+    """Ranges kept by LongBench-style middle truncation of ``n`` tokens to ``budget``: head and tail halves."""
+    if n <= budget:
+        return [(0, n)]
+    head = budget // 2
+    return [(0, head), (n - (budget - head), n)]
+
+
+@torch.no_grad()
+def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig) -> tuple[str, list[int], torch.Tensor, float]:
+    """Library forward + greedy decoding with a DynamicCache: (text, ids, first logits, ttft seconds)."""
+    device = model.lm_head.weight.device
+    timer = Timer(device)
+    x = torch.tensor([ids], device=device)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[0, -1]
+    ttft = timer.elapsed()
+    first = logits.clone()
+    gen: list[int] = []
+    for _ in range(generation.max_new_tokens):
+        tok = int(torch.argmax(logits))
+        gen.append(tok)
+        if tok in generation.stop_ids or len(gen) == generation.max_new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True)
+        logits = out.logits[0, -1]
+    return decode_text(tokenizer, gen, generation.stop_ids), gen, first, ttft
+
+
+def _result(model, tokenizer, example: PreparedExample, keep: list[tuple[int, int]],
+            generation: GenerationConfig) -> MethodResult:
+    prompt = example.prompt_ids()
+    ids = [t for a, b in keep for t in prompt[a:b]]
+    text, gen, first, ttft = run_plain(model, tokenizer, ids, generation)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * len(ids) * model.lm_head.weight.element_size()
+    cost = CostRecord(tokens_prefilled=len(ids), token_layers_computed=len(ids) * cfg.num_hidden_layers,
+                      kv_attended=float(len(ids)), kv_bytes=kv_bytes, ttft_s=ttft)
+    return MethodResult(text, gen, cost, kept_docs=_kept_docs(_doc_spans(example), keep), first_logits=first)
+
+
+@dataclass
+class Full(EvalMethod):
+    """The whole prompt; beyond ``max_length`` (default: the model's ``max_position_embeddings``
+    minus ``max_new_tokens``) the middle is cut, LongBench style."""
+
+    name = "full"
+    max_length: int = 0
+
+    def answer(self, model, tokenizer, example, state, generation):
+        limit = self.max_length or (model.config.max_position_embeddings - generation.max_new_tokens)
+        if limit <= 0:
+            raise ValueError(f"full: max_length {limit} leaves no room for the prompt")
+        return _result(model, tokenizer, example, middle_keep(len(example), limit), generation)
+
+
+@dataclass
+class Truncated(EvalMethod):
+    """The prompt cut to ``budget`` attended KV entries (or ``ratio`` of the prompt when budget is 0).
+
+    Instruction and question are kept whole; the context loses its middle (``side=middle``) or its
+    beginning (``side=end`` keeps the most recent tokens).
+    """
+
+    name = "truncated"
+    budget: int = 0
+    ratio: float = 0.25
+    side: str = "middle"
+
+    def answer(self, model, tokenizer, example, state, generation):
+        if self.side not in {"middle", "end"}:
+            raise ValueError(f"truncated: side must be 'middle' or 'end', got {self.side!r}")
+        n = len(example)
+        budget = self.budget or int(round(self.ratio * n))
+        fixed = len(example.prefix_ids) + len(example.suffix_ids)
+        if budget < fixed:
+            raise ValueError(f"truncated: budget {budget} is below the {fixed} instruction+question tokens "
+                             f"of example {example.example.id!r}")
+        p, c = len(example.prefix_ids), example.context_len
+        room = min(budget - fixed, c)
+        if self.side == "middle":
+            ctx = [(p + a, p + b) for a, b in middle_keep(c, room)] if room else []
+        else:
+            ctx = [(p + c - room, p + c)] if room else []
+        keep = [(0, p), *ctx, (p + c, n)]
+        return _result(model, tokenizer, example, keep, generation)

@@ -1,0 +1,82 @@
+"""One prompt for every method: instruction prefix, documents (or context chunks), question suffix.
+
+Pieces are tokenized separately and concatenated, so every method sees the very same token ids:
+``full`` feeds ``prefix + doc_0 + ... + doc_n + suffix``; the cache-editing methods encode the same
+pieces separately. A ``context`` example is tokenized once (with offsets) and cut into chunks of
+``chunk_tokens``; its ``gold_spans`` become the ids of the chunks they overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tasks import Example
+
+DOCS_INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not "
+                    "output any other words.")
+CONTEXT_INSTRUCTION = "Read the text below and answer the question. Only give me the answer."
+
+
+@dataclass
+class PreparedExample:
+    """Token ids of one example's prompt, split into prefix / documents / suffix."""
+
+    example: Example
+    prefix_ids: list[int]
+    doc_ids: list[list[int]]
+    suffix_ids: list[int]
+    gold_docs: list[int]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_ids)
+
+    @property
+    def context_len(self) -> int:
+        return sum(map(len, self.doc_ids))
+
+    def prompt_ids(self) -> list[int]:
+        return [*self.prefix_ids, *(t for d in self.doc_ids for t in d), *self.suffix_ids]
+
+    def __len__(self) -> int:
+        return len(self.prefix_ids) + self.context_len + len(self.suffix_ids)
+
+
+def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def prepare_example(tokenizer, example: Example, chunk_tokens: int = 512) -> PreparedExample:
+    """Tokenize ``example`` into the shared prompt layout (BOS, if the tokenizer adds one, in the prefix)."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if example.documents is not None:
+        instruction = example.instruction or DOCS_INSTRUCTION
+        docs = [_ids(tokenizer, f"Document [{i + 1}]: {d}\n\n") for i, d in enumerate(example.documents)]
+        gold = list(example.gold_docs or [])
+    else:
+        instruction = example.instruction or CONTEXT_INSTRUCTION
+        docs, gold = _chunk_context(tokenizer, example, chunk_tokens)
+    prefix = _ids(tokenizer, f"{instruction}\n\n", special=True)
+    suffix = _ids(tokenizer, f"\n\nQuestion: {example.question}\nAnswer:")
+    if any(len(d) == 0 for d in docs):
+        raise ValueError(f"example {example.id!r}: a document tokenizes to nothing")
+    return PreparedExample(example, prefix, docs, suffix, gold)
+
+
+def _chunk_context(tokenizer, example: Example, chunk_tokens: int) -> tuple[list[list[int]], list[int]]:
+    text = example.context or ""
+    if not text:
+        raise ValueError(f"example {example.id!r}: empty context")
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    else:  # slow tokenizers give no offsets: gold spans cannot be mapped to chunks
+        ids, offsets = _ids(tokenizer, text), None
+    chunks = [ids[i:i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)]
+    gold: list[int] = []
+    if example.gold_spans and offsets is not None:
+        for start, end in example.gold_spans:
+            hit = {i // chunk_tokens for i, (a, b) in enumerate(offsets) if a < end and b > start}
+            gold.extend(sorted(hit - set(gold)))
+    return chunks, sorted(gold)

@@ -1,0 +1,328 @@
+"""Evaluation tasks: the JSONL format, built-in generators (SQuAD long-context QA, RULER-style needles).
+
+Task file format (one JSON object per line; bring your own)::
+
+    {"id": "q17",                       # unique string
+     "question": "Who ...?",            # asked after the context
+     "answers": ["Ann", "Ann Smith"],   # gold answers (at least one)
+     "documents": ["...", "..."],       # EITHER a list of documents (retrieval-style QA)
+     "context": "...",                  # OR one long text (split into chunks of --chunk-tokens)
+     "gold_docs": [3],                  # optional: indices of gold documents (evidence recall)
+     "gold_spans": [[1200, 1260]],      # optional, with "context": character spans of the evidence
+     "task": "squad",                   # optional: a name to group results by
+     "metric": "qa_f1",                 # optional primary metric: qa_f1 | exact_match | substring | rouge_l
+     "substring_mode": "any",           # optional: any | all | fraction (how several golds count)
+     "instruction": "..."}              # optional: replaces the default instruction line
+
+Generators size the *context* (documents or haystack, without instruction and question) in tokens
+of the given tokenizer, and are seeded: the same arguments give the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+SQUAD_PATH = Path("/work/shared/data/squad-v2-dev.json")
+_METRICS = {"qa_f1", "exact_match", "substring", "rouge_l"}
+_MODES = {"any", "all", "fraction"}
+
+
+@dataclass
+class Example:
+    """One evaluation example (see the module docstring for the JSONL fields)."""
+
+    id: str
+    question: str
+    answers: list[str]
+    context: str | None = None
+    documents: list[str] | None = None
+    gold_docs: list[int] | None = None
+    gold_spans: list[list[int]] | None = None
+    task: str = "custom"
+    metric: str = "qa_f1"
+    substring_mode: str = "any"
+    instruction: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = f"example {self.id!r}"
+        if not isinstance(self.question, str) or not self.question.strip():
+            raise ValueError(f"{where}: 'question' must be a non-empty string")
+        if not isinstance(self.answers, list) or not self.answers or not all(isinstance(a, str) for a in self.answers):
+            raise ValueError(f"{where}: 'answers' must be a non-empty list of strings")
+        if (self.context is None) == (self.documents is None):
+            raise ValueError(f"{where}: give exactly one of 'context' (string) or 'documents' (list of strings)")
+        if self.documents is not None and (not self.documents or not all(isinstance(d, str) for d in self.documents)):
+            raise ValueError(f"{where}: 'documents' must be a non-empty list of strings")
+        if self.gold_docs is not None:
+            if self.documents is None:
+                raise ValueError(f"{where}: 'gold_docs' needs 'documents' (use 'gold_spans' with 'context')")
+            bad = [i for i in self.gold_docs if not 0 <= i < len(self.documents)]
+            if bad:
+                raise ValueError(f"{where}: gold_docs {bad} out of range for {len(self.documents)} documents")
+        if self.gold_spans is not None:
+            if self.context is None:
+                raise ValueError(f"{where}: 'gold_spans' needs 'context'")
+            for span in self.gold_spans:
+                if len(span) != 2 or not 0 <= span[0] < span[1] <= len(self.context):
+                    raise ValueError(f"{where}: bad gold span {span} for a context of {len(self.context)} chars")
+        if self.metric not in _METRICS:
+            raise ValueError(f"{where}: metric must be one of {sorted(_METRICS)}, got {self.metric!r}")
+        if self.substring_mode not in _MODES:
+            raise ValueError(f"{where}: substring_mode must be one of {sorted(_MODES)}, got {self.substring_mode!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "") -> "Example":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}unknown field(s) {unknown}; known fields: {sorted(known)}")
+        missing = [k for k in ("id", "question", "answers") if k not in d]
+        if missing:
+            raise ValueError(f"{where}missing field(s) {missing}")
+        return cls(**{**d, "id": str(d["id"])})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
+
+
+def load_jsonl(path: str | Path) -> list[Example]:
+    """Read a task file; errors name the file and line."""
+    out: list[Example] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
+            out.append(Example.from_dict(d, where=f"{path}:{n}: "))
+    if not out:
+        raise ValueError(f"{path}: no examples")
+    ids = [e.id for e in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate example ids")
+    return out
+
+
+def save_jsonl(examples: Iterable[Example], path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for e in examples:
+            f.write(json.dumps(e.to_dict(), ensure_ascii=False) + "\n")
+
+
+class _TokenCounter:
+    """Counts tokens of strings with a tokenizer, memoised (generators count many paragraphs)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        if text not in self.cache:
+            self.cache[text] = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.cache[text]
+
+
+# ---------------------------------------------------------------------------------------------
+# SQuAD long-context QA
+# ---------------------------------------------------------------------------------------------
+
+
+def squad_qa(tokenizer, context_tokens: int, num_examples: int, seed: int = 0,
+             path: str | Path = SQUAD_PATH) -> list[Example]:
+    """Gold paragraph among paragraphs of *other* articles that do not contain an answer string.
+
+    Documents are added until the next would pass ``context_tokens`` (counted per document, as the
+    methods tokenize them); the gold lands at a seeded random index.
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+    rng = random.Random(seed)
+    count = _TokenCounter(tokenizer)
+    paragraphs = [(ai, p["context"]) for ai, art in enumerate(data) for p in art["paragraphs"]]
+    questions = [
+        (ai, p["context"], qa)
+        for ai, art in enumerate(data) for p in art["paragraphs"] for qa in p["qas"]
+        if not qa.get("is_impossible") and qa["answers"]
+    ]
+    out: list[Example] = []
+    for n in range(num_examples):
+        ai, gold, qa = rng.choice(questions)
+        answers = list(dict.fromkeys(a["text"] for a in qa["answers"]))
+        lowered = [a.lower() for a in answers]
+        docs = [gold]
+        total = count(gold)
+        for _, text in rng.sample(paragraphs, len(paragraphs)):
+            if _ == ai or any(a in text.lower() for a in lowered):
+                continue
+            t = count(text)
+            if total + t > context_tokens:
+                break
+            docs.append(text)
+            total += t
+        rng.shuffle(docs)
+        out.append(Example(
+            id=f"squad-{seed}-{n}", question=qa["question"], answers=answers, documents=docs,
+            gold_docs=[docs.index(gold)], task="squad", metric="qa_f1",
+            meta={"context_tokens": total},
+        ))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# RULER-style needles over real filler text (the Python Language Reference shipped with CPython)
+# ---------------------------------------------------------------------------------------------
+
+_WORDS = (
+    "amber brisk cedar dusty eager fabled gentle hollow ivory jolly keen lunar mellow nimble opal "
+    "placid quiet rustic silver tidy umber vivid wistful young zesty anchor beacon canyon delta ember "
+    "falcon glacier harbor island jungle kettle lantern meadow nectar orchard pebble quarry river "
+    "summit thistle upland valley willow yonder zephyr"
+).split()
+
+
+def _filler_sentences() -> list[str]:
+    from pydoc_data.topics import topics
+
+    text = " ".join(topics[k] for k in sorted(topics))
+    text = re.sub(r"\s+", " ", text)
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.strip()) > 20]
+
+
+def _haystack(rng: random.Random, count: _TokenCounter, sentences: list[str], budget: int) -> list[str]:
+    """Consecutive filler sentences from a seeded start, up to ``budget`` tokens (wrapping around)."""
+    start = rng.randrange(len(sentences))
+    out: list[str] = []
+    total = 0
+    for k in range(len(sentences)):
+        s = sentences[(start + k) % len(sentences)]
+        t = count(s + " ")
+        if total + t > budget:
+            break
+        out.append(s)
+        total += t
+    return out
+
+
+def _assemble(filler: list[str], needles: list[str], rng: random.Random) -> tuple[str, list[list[int]]]:
+    """Insert needles at seeded depths between filler sentences; return text and needle char spans."""
+    slots = sorted(rng.randint(0, len(filler)) for _ in needles)
+    order = list(needles)
+    rng.shuffle(order)
+    pieces: list[tuple[str, bool]] = [(s, False) for s in filler]
+    for slot, needle in sorted(zip(slots, order), key=lambda x: -x[0]):
+        pieces.insert(slot, (needle, True))
+    text, spans, pos = [], [], 0
+    for s, is_needle in pieces:
+        if is_needle:
+            spans.append([pos, pos + len(s)])
+        text.append(s)
+        pos += len(s) + 1
+    return " ".join(text), spans
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}"
+
+
+def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: int, seed: int,
+                     num_needles: int = 4, num_hops: int = 4) -> list[Example]:
+    rng = random.Random(f"{kind}-{seed}")
+    count = _TokenCounter(tokenizer)
+    sentences = _filler_sentences()
+    instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
+                   "them. I will quiz you about the numbers afterwards.")
+    out: list[Example] = []
+    for n in range(num_examples):
+        keys = list(dict.fromkeys(_key(rng) for _ in range(4 * num_needles)))[:num_needles]
+        values = [str(rng.randint(10**6, 10**7 - 1)) for _ in range(num_needles)]
+        key = keys[0]
+        metric, mode = "substring", "any"
+        if kind == "niah_single":
+            needles = [f"One of the special magic numbers for {key} is: {values[0]}."]
+            question, answers = f"What is the special magic number for {key} mentioned in the provided text?", [values[0]]
+        elif kind == "niah_multikey":
+            needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
+            question, answers = f"What is the special magic number for {key} mentioned in the provided text?", [values[0]]
+        elif kind == "niah_multivalue":
+            needles = [f"One of the special magic numbers for {key} is: {v}." for v in values]
+            question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
+            answers, mode = values, "fraction"
+        elif kind == "vt":
+            names = list(dict.fromkeys("".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+                                       for _ in range(4 * num_hops)))[: num_hops + 1]
+            needles = [f"VAR {names[0]} = {values[0]}."] + [
+                f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(num_hops)]
+            question = f"Find all variables that are assigned the value {values[0]} in the text above."
+            answers, mode = names, "fraction"
+            instruction = "Memorize and track the chain(s) of variable assignment hidden in the following text."
+        else:
+            raise ValueError(f"unknown needle task {kind!r}")
+        budget = context_tokens - sum(count(s + " ") for s in needles)
+        if budget <= 0:
+            raise ValueError(f"context_tokens={context_tokens} is too small for the {kind} needles")
+        if kind == "vt":  # a variable must be assigned before it is copied: keep the chain's order
+            text, spans = _assemble_in_order(rng, count, sentences, budget, needles)
+        else:
+            text, spans = _assemble(_haystack(rng, count, sentences, budget), needles, rng)
+        out.append(Example(
+            id=f"{kind}-{seed}-{n}", question=question, answers=answers, context=text, gold_spans=spans,
+            task=kind, metric=metric, substring_mode=mode, instruction=instruction,
+        ))
+    return out
+
+
+def _assemble_in_order(rng: random.Random, count: _TokenCounter, sentences: list[str], budget: int,
+                       needles: list[str]) -> tuple[str, list[list[int]]]:
+    """Like ``_assemble`` but the needles keep their order (a variable is assigned before it is used)."""
+    filler = _haystack(rng, count, sentences, budget)
+    slots = sorted(rng.randint(0, len(filler)) for _ in needles)
+    pieces: list[tuple[str, bool]] = []
+    j = 0
+    for i in range(len(filler) + 1):
+        while j < len(needles) and slots[j] == i:
+            pieces.append((needles[j], True))
+            j += 1
+        if i < len(filler):
+            pieces.append((filler[i], False))
+    text, spans, pos = [], [], 0
+    for s, is_needle in pieces:
+        if is_needle:
+            spans.append([pos, pos + len(s)])
+        text.append(s)
+        pos += len(s) + 1
+    return " ".join(text), spans
+
+
+NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
+TASK_NAMES = ("squad", *NEEDLE_TASKS, "ruler")
+
+
+def build_task(name: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0) -> list[Example]:
+    """A built-in task by name: ``squad``, one of ``NEEDLE_TASKS``, or ``ruler`` (all four needle tasks)."""
+    if context_tokens <= 0 or num_examples <= 0:
+        raise ValueError("context_tokens and num_examples must be positive")
+    if name == "squad":
+        return squad_qa(tokenizer, context_tokens, num_examples, seed)
+    if name in NEEDLE_TASKS:
+        return _needle_examples(name, tokenizer, context_tokens, num_examples, seed)
+    if name == "ruler":
+        return [e for k in NEEDLE_TASKS for e in _needle_examples(k, tokenizer, context_tokens, num_examples, seed)]
+    raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASK_NAMES)} (or give a .jsonl file)")
+
+
+def resolve_tasks(spec: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0) -> list[Example]:
+    """``spec``: a JSONL path, or comma-separated built-in task names."""
+    if Path(spec).is_file():
+        return load_jsonl(spec)
+    if spec.endswith(".jsonl"):
+        raise FileNotFoundError(f"task file not found: {spec}")
+    return [e for name in spec.split(",") if name.strip()
+            for e in build_task(name.strip(), tokenizer, context_tokens, num_examples, seed)]
+
