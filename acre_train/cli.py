@@ -15,6 +15,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "env": ("acre_train.env_info", "print torch / transformers / deepspeed / CUDA facts for bug reports"),
     "quickstart": ("acre_train.quickstart", "run ACRE on a tiny built-in model and text; print what it did"),
     "preprocess": ("acre_train.data.cli", "prepare stage-1 text spans or stage-2 QA/chat SFT data with L1 tokens"),
+    "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
+    "validate": ("acre_train.train.validate", "check a training recipe (keys, batch split, data, DeepSpeed) without training"),
     "eval": ("acre_train.eval.cli", "compare full, truncated, CacheFocus, InfoFlow, ... on long-context QA tasks"),
 }
 

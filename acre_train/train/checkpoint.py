@@ -1,0 +1,202 @@
+"""Checkpoints: trainable weights + optimizer + scheduler + RNG + data position, never the frozen base.
+
+Layout of a run directory (``<output_root>/<run_name>/``)::
+
+    recipe.yaml                  the resolved recipe of the latest launch
+    base_model/                  tiny:<arch> sources only: the base model (save_pretrained), for later stages/export
+    metrics.jsonl                one JSON line per logged step (rank 0)
+    tensorboard/                 event files
+    latest                       text: the name of the newest complete checkpoint
+    checkpoint-<step>/
+        acre_checkpoint.json     written last: step, data position, base-model reference, engine, shapes
+        recipe.yaml              the recipe that wrote it
+        trainable.safetensors    the trainable weights (ACRE: exactly acre_state_dict(model)); rank 0
+        rng_state_<rank>.pt      python/numpy/torch(/cuda) RNG of every rank
+        optimizer.pt scheduler.pt          without DeepSpeed
+        ds/latest ds/state/...             with DeepSpeed: save_checkpoint(exclude_frozen_parameters=True)
+
+Writing is atomic: everything goes to ``.checkpoint-<step>.partial`` and is renamed into place once
+every rank has finished, so a crash never leaves a directory that looks complete. An exporter reads
+``trainable.safetensors`` (or, for fp32 master weights of a bf16 DeepSpeed run,
+``get_fp32_state_dict_from_zero_checkpoint(checkpoint-<step>/ds)``) plus ``base_model`` in
+``acre_checkpoint.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+META = "acre_checkpoint.json"
+WEIGHTS = "trainable.safetensors"
+DS_DIR = "ds"
+DS_TAG = "state"
+LATEST = "latest"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that cannot continue this recipe; the message lists every reason."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (partial ones have no META and are skipped)."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if (p / META).is_file() and p.name[11:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[11:]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    path = Path(checkpoint) / META
+    if not path.is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a complete acre-train checkpoint (no {META})")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def find_weights_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory's newest checkpoint (stage 2's ``init_from``)."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    newest = latest_checkpoint(path) if path.is_dir() else None
+    if newest is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
+    return newest
+
+
+def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
+    """``None``, ``"latest"`` (None when the run has no checkpoint yet: a fresh start) or a path."""
+    if not resume:
+        return None
+    if resume == "latest":
+        return latest_checkpoint(run_dir)
+    return find_weights_checkpoint(Path(resume))
+
+
+# ------------------------------------------------------------------------------------------ saving
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    rank: int,
+    barrier: Callable[[], None],
+    trainable: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    recipe_yaml: str,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    engine: Any = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``checkpoint-<step>`` atomically; every rank must call it. Returns the final path."""
+    run_dir = Path(run_dir)
+    final = run_dir / checkpoint_name(step)
+    tmp = run_dir / f".{final.name}.partial"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir(parents=True)
+    barrier()
+    torch.save(capture_rng(), tmp / f"rng_state_{rank}.pt")
+    if engine is not None:
+        # Only the trainable parameters; ZeRO-1/2 optimizer shards are written by every rank.
+        engine.save_checkpoint(str(tmp / DS_DIR), tag=DS_TAG, exclude_frozen_parameters=True)
+    elif rank == 0:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    if rank == 0:
+        save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / WEIGHTS))
+        (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    barrier()
+    if rank == 0:
+        (tmp / META).write_text(json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2) + "\n", encoding="utf-8")
+        _publish(tmp, final)
+        _write_text_atomic(run_dir / LATEST, final.name + "\n")
+        if keep_last:
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (same step saved again) is replaced."""
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load_trainable(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(checkpoint) / WEIGHTS))
+
+
+def load_rng(checkpoint: Path, rank: int) -> None:
+    path = Path(checkpoint) / f"rng_state_{rank}.pt"
+    if path.is_file():  # a rank beyond the saving world size keeps its fresh seed
+        restore_rng(torch.load(path, weights_only=False))
+
+
+def check_compatible(meta: dict[str, Any], expected: dict[str, Any], checkpoint: Path) -> None:
+    """Raise :class:`CheckpointMismatch` naming every field where ``meta`` differs from ``expected``.
+
+    ``expected`` holds the identity fields of the current run (see ``Trainer.identity``); a field
+    absent from the checkpoint is a mismatch too (other format or tool).
+    """
+    reasons = []
+    if meta.get("format_version") != FORMAT_VERSION:
+        reasons.append(f"format_version {meta.get('format_version')} (this acre-train writes {FORMAT_VERSION})")
+    saved = meta.get("identity", {})
+    for key, value in expected.items():
+        if saved.get(key) != value:
+            reasons.append(f"{key}: checkpoint has {saved.get(key)!r}, the recipe gives {value!r}")
+    if reasons:
+        raise CheckpointMismatch(
+            f"checkpoint {checkpoint} does not match this recipe:\n" + "\n".join(f"  - {r}" for r in reasons)
+            + "\nstart a new run_name, or resume with the recipe that wrote it (see its recipe.yaml)"
+        )

@@ -1,0 +1,39 @@
+"""``acre-train train RECIPE k=v ...`` and ``acre-train validate RECIPE k=v ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .recipe import RecipeError, load_recipe, validate_recipe
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. train.learning_rate=1e-4 checkpoint.resume_from_checkpoint=latest")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, then train (every rank runs this under torchrun / the deepspeed launcher)."""
+    from .trainer import train
+
+    try:
+        recipe = validate_recipe(load_recipe(args.recipe, args.overrides), source=args.recipe)
+        result = train(recipe)
+    except (RecipeError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"done: step {result.steps}, last checkpoint {result.last_checkpoint}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m acre_train.train`` (also what the launchers run); tolerates ``--local_rank=N``."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m acre_train.train", description="Train ACRE L1 adapters.")
+    add_arguments(parser)
+    # The deepspeed launcher appends --local_rank=N; parse_overrides skips it (LOCAL_RANK is in the env).
+    args, unknown = parser.parse_known_args(argv)
+    args.overrides = list(args.overrides) + unknown
+    return run(args)

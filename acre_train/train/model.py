@@ -1,0 +1,139 @@
+"""Building the model a recipe trains: base source -> (ACRE adapter | vanilla) -> stage-1 weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modeling import IGNORE_INDEX, acre_forward, acre_parameters, attach_acre, is_acre_model, load_acre_state_dict
+from .checkpoint import find_weights_checkpoint, load_trainable, read_meta
+from .recipe import Recipe
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def base_reference(recipe: Recipe) -> dict[str, Any]:
+    """What identifies the frozen base (stored in every checkpoint; stage 2 and export compare it)."""
+    m = recipe.model
+    ref: dict[str, Any] = {"source": m.source}
+    if m.source.startswith("tiny:"):
+        ref.update(tiny_config=dict(sorted(m.tiny_config.items())), tiny_seed=m.tiny_seed)
+    return ref
+
+
+def load_base(recipe: Recipe) -> nn.Module:
+    """The base causal LM: ``tiny:<arch>`` built in-process, else ``from_pretrained`` (path or hub)."""
+    m = recipe.model
+    if m.source.startswith("tiny:"):
+        from ..tiny import tiny_model
+
+        return tiny_model(m.source.partition(":")[2], seed=m.tiny_seed, attn_implementation=m.attn_implementation,
+                          **m.tiny_config)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(m.source, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation)
+
+
+def build_model(recipe: Recipe) -> nn.Module:
+    """The model with exactly the recipe's trainable parameters (and stage-1 L1 weights for stage 2)."""
+    model = load_base(recipe)
+    if recipe.mode == "acre":
+        attach_acre(model, train_o_proj=recipe.model.train_o_proj)
+    else:
+        model.requires_grad_(True)
+    if recipe.model.init_from:
+        load_initial_weights(model, recipe)
+    if recipe.model.gradient_checkpointing:
+        # Non-reentrant: a chunk's loss must reach earlier chunks' L1 keys/values (DESIGN §3).
+        enable = getattr(model, "gradient_checkpointing_enable")
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
+    """Load a previous run's trainable weights (stage 2 from stage 1); the bases must match."""
+    checkpoint = find_weights_checkpoint(Path(recipe.model.init_from))
+    meta = read_meta(checkpoint)
+    theirs, ours = meta.get("base_model"), base_reference(recipe)
+    if theirs != ours:
+        raise ValueError(f"model.init_from {checkpoint} was trained on base {theirs}, this recipe uses {ours}")
+    weights = load_trainable(checkpoint)
+    if is_acre_model(model):
+        load_acre_state_dict(model, weights)
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or len(weights) != sum(1 for _ in model.parameters()):
+            raise ValueError(f"{checkpoint} does not hold this model's weights (unexpected: {unexpected[:4]})")
+    return checkpoint
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What checkpoints store: the L1 weights (ACRE) or every weight (vanilla)."""
+    if is_acre_model(model):
+        return {name: p.detach() for name, p in acre_parameters(model)}
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    if is_acre_model(model):
+        load_acre_state_dict(model, state)
+        return
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor)
+
+
+class LossModule(nn.Module):
+    """``forward(**batch) -> (loss_sum, num_label_tokens)``: the one module DDP/DeepSpeed wrap.
+
+    Wrapping the loss (not the bare model) makes the wrapper's forward run, which DDP needs for
+    gradient sync, while ACRE still uses ``acre_forward`` (never a patched ``model.forward``).
+    """
+
+    def __init__(self, model: nn.Module, *, kernel: str | None = None, fused_ce: bool = False):
+        super().__init__()
+        self.model = model
+        self.kernel = kernel
+        self.fused_ce = fused_ce
+        self.acre = is_acre_model(model)
+
+    def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.acre and self.fused_ce:
+            loss_sum, count = self._acre_fused(**batch)
+        elif self.acre:
+            out = acre_forward(self.model, **batch, kernel=self.kernel)
+            loss_sum, count = out.loss_sum, out.num_tokens
+        else:
+            loss_sum, count = self._vanilla(**batch)
+        if self.acre and not bool(batch["is_l1"].any()):
+            # No L1 token: L1 weights take no part, which DDP/ZeRO reducers treat as an error.
+            loss_sum = loss_sum + 0.0 * sum(p.sum() for _, p in acre_parameters(self.model))
+        return loss_sum, torch.as_tensor(count)
+
+    def _acre_fused(self, labels, **batch):
+        """Liger's fused linear + cross-entropy on the ACRE hidden states (CUDA only; see liger.py)."""
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        hidden = acre_forward(self.model, **batch, labels=None, kernel=self.kernel).hidden_states
+        selected = labels != IGNORE_INDEX
+        loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        head = self.model.lm_head
+        return loss_fn(head.weight, hidden[selected], labels[selected], getattr(head, "bias", None)), int(selected.sum())
+
+    def _vanilla(self, input_ids, labels, attention_mask):
+        hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        selected = labels != IGNORE_INDEX
+        logits = self.model.lm_head(hidden[selected])
+        return torch.nn.functional.cross_entropy(logits.float(), labels[selected], reduction="sum"), int(selected.sum())
+
+
+def save_base(model_source: nn.Module, path: Path, recipe: Recipe) -> None:
+    """Save a tiny base (no ACRE parameters) so later stages and exporters can load it by path."""
+    path.mkdir(parents=True, exist_ok=True)
+    model_source.save_pretrained(str(path))
+    (path / "acre_base.json").write_text(json.dumps(base_reference(recipe), indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,411 @@
+"""Training recipes: a typed YAML schema, dotted ``key=value`` overrides, and checks before model load.
+
+A recipe is validated in three layers, all before any model weight is touched:
+
+1. **Schema** (pydantic, ``extra="forbid"``): unknown or misspelled keys are errors naming the key
+   and the nearest valid one (``train.lerning_rate: unknown key; did you mean 'learning_rate'?``).
+2. **Cross-field checks** (:func:`check_recipe`): batch split vs. world size, missing dataset,
+   stage-2 initial weights, DeepSpeed config values that contradict the recipe, ... Every problem
+   gets one actionable message and all of them are reported together.
+3. The resolved recipe (after overrides) is what gets written into the run dir and every checkpoint.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..modeling import SUPPORTED_MODEL_TYPES
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message lists every problem found, one per line."""
+
+    def __init__(self, problems: Sequence[str], source: str | None = None):
+        self.problems = list(problems)
+        head = f"recipe {source} has {len(self.problems)} problem(s):" if source else "recipe problem(s):"
+        super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
+
+
+class _Section(BaseModel):
+    # Misspelled keys must be errors (CONVENTIONS: tools that silently drop keys are hated).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """What to train. ``source``: a local directory, a hub name, or ``tiny:<arch>`` (built in-process)."""
+
+    source: str = "tiny:qwen2"
+    tiny_config: dict[str, Any] = Field(default_factory=dict)  # tiny_model(...) overrides (tiny: sources only)
+    tiny_seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    attn_implementation: str = "sdpa"
+    train_o_proj: bool = False  # also train an L1 copy of o_proj (DESIGN §4: optional)
+    kernel: Literal["chunked", "dense", "flex"] | None = None  # ACRE attention kernel; None = default for the device
+    gradient_checkpointing: bool = False  # always non-reentrant (DESIGN §3: gradients cross chunks)
+    init_from: str | None = None  # stage 2: a stage-1 run directory or checkpoint directory
+    save_base: bool = True  # tiny sources: save the base into <run>/base_model so later stages can reload it
+
+
+class DataSection(_Section):
+    """A prepared dataset directory, and optionally how to prepare it when it does not exist yet."""
+
+    path: str
+    # Settings of acre_train.data.prepare_stage1/2 (minus ``output``, which is ``path``); run when
+    # ``path`` has no complete dataset. None: the dataset must already exist.
+    prepare: dict[str, Any] | None = None
+    max_samples: int | None = None  # use only the first N rows (smoke runs)
+    shuffle: bool = True
+
+
+class LigerSection(_Section):
+    """Per-kernel liger toggles, applied only with CUDA; the ACRE forward is never replaced."""
+
+    rms_norm: bool = False
+    swiglu: bool = False
+    rope: bool = False
+    # Fused linear + cross-entropy is computed inside acre_forward, never by patching model.forward.
+    fused_linear_cross_entropy: bool = False
+
+
+class TrainSection(_Section):
+    """Optimisation. ``global_batch_size = micro_batch_size x gradient_accumulation_steps x world``."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int | Literal["auto"] = "auto"
+    global_batch_size: int | None = Field(None, ge=1)
+    learning_rate: float = Field(5e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    warmup_steps: int | None = Field(None, ge=0)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)  # overrides epochs when set
+    max_grad_norm: float | None = 1.0
+    bf16: bool = False
+    deepspeed: str | None = None  # a DeepSpeed JSON config (paths are relative to the recipe file, then cwd)
+    group_by_chunks: bool = True  # every rank runs the same number of chunks per step
+    liger: LigerSection = Field(default_factory=LigerSection)
+
+
+class LoggingSection(_Section):
+    every_steps: int = Field(1, ge=1)
+    tensorboard: bool = True
+    progress_bar: bool = True
+    log_samples: bool = False  # write <run>/samples_rank<r>.jsonl: sample_index per step (rank checks)
+
+
+class CheckpointSection(_Section):
+    every_steps: int | None = Field(None, ge=1)  # None: only at the end
+    keep_last: int | None = Field(2, ge=1)
+    resume_from_checkpoint: str | None = None  # "latest" or a checkpoint directory
+    stop_after_step: int | None = Field(None, ge=1)  # stop (after saving) at this step: interruption drills
+
+
+class Recipe(_Section):
+    """One training run. See ``recipes/*.yaml`` for commented examples."""
+
+    run_name: str
+    output_root: str = "checkpoints"
+    stage: Literal[1, 2] = 1
+    mode: Literal["acre", "vanilla"] = "acre"  # vanilla: full fine-tune without ACRE (SFT-Vanilla ablation)
+    seed: int = 0
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_root) / self.run_name
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
+    """``["train.learning_rate=1e-4", "--local_rank=0"]`` -> ``[("train.learning_rate", 1e-4)]``.
+
+    Values are parsed as YAML scalars (``1e-4``, ``true``, ``null``, ``[8,16]``). The deepspeed launcher
+    appends ``--local_rank=N`` (or ``--local_rank N``); torchrun sets ``LOCAL_RANK``: both are skipped.
+    """
+    out: list[tuple[str, Any]] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in ("--local_rank", "--local-rank"):
+            skip_next = True
+            continue
+        if re.fullmatch(r"--local[_-]rank=\d+", arg):
+            continue
+        key, sep, value = arg.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise RecipeError([f"override {arg!r} is not of the form key=value (e.g. train.learning_rate=1e-4)"])
+        out.append((key.strip(), _scalar(value)))
+    return out
+
+
+def _scalar(text: str) -> Any:
+    """YAML-parse an override value; ``1e-4`` is a float here (YAML 1.1 would keep it a string)."""
+    if text == "":
+        return None
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
+        return float(value)
+    return value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (intermediate dicts are created; the schema checks names)."""
+    for key, value in overrides:
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError([f"override {key}: {part!r} is a value ({child!r}), not a section"])
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> Recipe:
+    """Read a YAML recipe, apply overrides, validate the schema (not the cross-field checks)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError([f"recipe file {path} does not exist"])
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(raw, dict):
+        raise RecipeError(["the recipe must be a mapping of sections"], str(path))
+    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
+    recipe = recipe_from_dict(apply_overrides(raw, pairs), source=str(path))
+    # A relative DeepSpeed config path is tried against the cwd first, then the recipe's folder.
+    _resolve_relative(recipe, path.parent.resolve())
+    return recipe
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> Recipe:
+    """Validate a dict against the schema; errors name the key and the nearest valid one."""
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError([_explain(err) for err in exc.errors()], source) from None
+
+
+def _resolve_relative(recipe: Recipe, recipe_dir: Path) -> None:
+    ds = recipe.train.deepspeed
+    if ds and not Path(ds).is_absolute() and not Path(ds).exists() and (recipe_dir / ds).exists():
+        recipe.train.deepspeed = str(recipe_dir / ds)
+
+
+def _explain(err: dict[str, Any]) -> str:
+    """One readable line for a pydantic error, with a did-you-mean for unknown keys."""
+    loc = [str(p) for p in err["loc"]]
+    dotted = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        known = _fields_at(loc[:-1])
+        match = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
+        hint = f"; did you mean {match[0]!r}?" if match else f"; valid keys here: {', '.join(known)}"
+        return f"{dotted}: unknown key{hint}"
+    if err["type"] == "missing":
+        return f"{dotted}: required key is missing"
+    return f"{dotted}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _fields_at(loc: Sequence[str]) -> list[str]:
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+# ------------------------------------------------------------------------------ cross-field checks
+
+
+def world_size_from_env() -> int:
+    """World size the launcher set (torchrun and deepspeed both export WORLD_SIZE), else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_accumulation(recipe: Recipe, world_size: int) -> tuple[int, int, list[str]]:
+    """``(gradient_accumulation_steps, global_batch_size, problems)`` for ``world_size`` ranks."""
+    t = recipe.train
+    per_step = t.micro_batch_size * world_size
+    if t.gradient_accumulation_steps == "auto":
+        if t.global_batch_size is None:
+            return 1, per_step, []
+        if t.global_batch_size % per_step:
+            return 1, per_step, [
+                f"train.global_batch_size={t.global_batch_size} cannot be split into micro_batch_size="
+                f"{t.micro_batch_size} x {world_size} rank(s) x an integer accumulation; choose a "
+                f"global_batch_size divisible by {per_step} or change micro_batch_size"
+            ]
+        return t.global_batch_size // per_step, t.global_batch_size, []
+    gas = int(t.gradient_accumulation_steps)
+    if gas < 1:
+        return 1, per_step, [f"train.gradient_accumulation_steps must be >= 1 or 'auto', got {gas}"]
+    if t.global_batch_size is not None and t.global_batch_size != per_step * gas:
+        return gas, per_step * gas, [
+            f"train.global_batch_size={t.global_batch_size} but micro_batch_size={t.micro_batch_size} x "
+            f"gradient_accumulation_steps={gas} x {world_size} rank(s) = {per_step * gas}; set "
+            "gradient_accumulation_steps: auto to derive it"
+        ]
+    return gas, per_step * gas, []
+
+
+def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[str]:
+    """Every cross-field problem of ``recipe`` (empty list: it can run). Loads no model."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    problems: list[str] = []
+    problems += resolve_accumulation(recipe, world_size)[2]
+    problems += _check_model(recipe)
+    problems += _check_data(recipe)
+    problems += _check_deepspeed(recipe, world_size)
+    problems += _check_resume(recipe)
+    if recipe.train.warmup_steps is not None and recipe.train.warmup_ratio:
+        problems.append("train.warmup_steps and train.warmup_ratio are both set; keep one")
+    if recipe.mode == "vanilla" and recipe.model.train_o_proj:
+        problems.append("model.train_o_proj only applies to mode: acre (vanilla trains every base weight)")
+    return problems
+
+
+def validate_recipe(recipe: Recipe, world_size: int | None = None, source: str | None = None) -> Recipe:
+    """Raise :class:`RecipeError` listing every problem, else return ``recipe``."""
+    problems = check_recipe(recipe, world_size)
+    if problems:
+        raise RecipeError(problems, source)
+    return recipe
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or os.sep == "\\" and "\\" in source
+
+
+def _check_model(recipe: Recipe) -> list[str]:
+    m = recipe.model
+    problems: list[str] = []
+    if m.source.startswith("tiny:"):
+        arch = m.source.partition(":")[2]
+        if arch not in SUPPORTED_MODEL_TYPES:
+            problems.append(f"model.source {m.source!r}: tiny architectures are {', '.join(SUPPORTED_MODEL_TYPES)}")
+    elif m.tiny_config:
+        problems.append("model.tiny_config applies only to tiny:<arch> sources; remove it")
+    elif _looks_like_path(m.source) and not Path(m.source).expanduser().exists():
+        problems.append(f"model.source {m.source!r} does not exist (a local directory or a hub name is expected)")
+    if recipe.stage == 2 and recipe.mode == "acre" and not m.init_from:
+        problems.append("stage 2 starts from stage-1 L1 weights: set model.init_from to a stage-1 run or checkpoint directory")
+    if m.init_from:
+        from .checkpoint import find_weights_checkpoint
+
+        try:
+            find_weights_checkpoint(Path(m.init_from))
+        except FileNotFoundError as exc:
+            problems.append(f"model.init_from: {exc}")
+    if m.dtype in ("bfloat16", "float16") and not recipe.train.deepspeed:
+        problems.append(
+            f"model.dtype={m.dtype} without DeepSpeed would run AdamW on {m.dtype} weights; use train.deepspeed "
+            "(fp32 master weights) or model.dtype: float32 with train.bf16: true (autocast)")
+    return problems
+
+
+def _check_data(recipe: Recipe) -> list[str]:
+    from ..data.output import read_manifest
+
+    d = recipe.data
+    path = Path(d.path)
+    if read_manifest(path) is not None:
+        return []
+    if d.prepare is None:
+        state = "has no complete manifest.json (unfinished preparation?)" if path.exists() else "does not exist"
+        return [f"data.path {d.path} {state}; run 'acre-train preprocess stage{recipe.stage} --output {d.path} ...' "
+                "or add a data.prepare section"]
+    try:
+        prepare_settings(recipe)
+    except Exception as exc:  # DataError or TypeError from the settings dataclass
+        return [f"data.prepare: {exc}"]
+    import glob
+
+    missing = [p for p in d.prepare.get("inputs") or [] if not glob.glob(os.path.expanduser(str(p)))]
+    if missing:
+        return [f"data.path {d.path} does not exist and data.prepare.inputs {missing} match no file"]
+    return []
+
+
+def prepare_settings(recipe: Recipe):
+    """The data package's settings object for ``data.prepare`` (output = ``data.path``)."""
+    from ..data import Stage1Settings, Stage2Settings
+
+    cls = Stage1Settings if recipe.stage == 1 else Stage2Settings
+    values = dict(recipe.data.prepare or {})
+    if "output" in values:
+        raise ValueError("data.prepare.output is data.path; remove it")
+    return cls.from_dict({**values, "output": recipe.data.path})
+
+
+# DeepSpeed keys the trainer fills from the recipe ("auto") and the recipe value each must equal.
+def deepspeed_expected(recipe: Recipe, world_size: int) -> dict[tuple[str, ...], Any]:
+    gas, global_batch, _ = resolve_accumulation(recipe, world_size)
+    return {
+        ("train_micro_batch_size_per_gpu",): recipe.train.micro_batch_size,
+        ("gradient_accumulation_steps",): gas,
+        ("train_batch_size",): global_batch,
+        ("gradient_clipping",): float(recipe.train.max_grad_norm or 0.0),
+        ("bf16", "enabled"): bool(recipe.train.bf16 or recipe.model.dtype == "bfloat16"),
+        ("fp16", "enabled"): recipe.model.dtype == "float16",
+    }
+
+
+def _check_deepspeed(recipe: Recipe, world_size: int) -> list[str]:
+    path = recipe.train.deepspeed
+    if not path:
+        return []
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return [f"train.deepspeed: {path} does not exist"]
+    except json.JSONDecodeError as exc:
+        return [f"train.deepspeed: {path} is not valid JSON ({exc})"]
+    problems = []
+    for keys, expected in deepspeed_expected(recipe, world_size).items():
+        node: Any = config
+        for k in keys:
+            node = node.get(k, "auto") if isinstance(node, dict) else "auto"
+        if node != "auto" and node != expected:
+            problems.append(f"{path}: {'.'.join(keys)}={node!r} but the recipe implies {expected!r}; set it to \"auto\"")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        problems.append(f"{path}: zero_optimization.stage={stage}; acre-train supports ZeRO 0, 1 and 2")
+    if "optimizer" in config or "scheduler" in config:
+        problems.append(f"{path}: remove 'optimizer'/'scheduler'; the recipe's train section defines them")
+    return problems
+
+
+def _check_resume(recipe: Recipe) -> list[str]:
+    resume = recipe.checkpoint.resume_from_checkpoint
+    if not resume or resume == "latest":
+        return []
+    if not Path(resume).is_dir():
+        return [f"checkpoint.resume_from_checkpoint: {resume} is not a directory (use 'latest' or a checkpoint-N path)"]
+    return []

@@ -1,0 +1,320 @@
+"""The training loop: one small loop for single process, DDP (torchrun) and DeepSpeed ZeRO-1/2.
+
+Why not the transformers ``Trainer``: acre-train needs L1-only checkpoints that still resume exactly,
+the data order fixed by the global batch (not by the rank split), token-weighted accumulation across
+ranks, and ranks read from the launcher environment. Each of those is an override of a private
+``Trainer`` method (``_save_checkpoint``, ``_load_from_checkpoint``, ``get_train_dataloader``,
+``compute_loss``, world-size detection); a ~300-line loop that calls DeepSpeed's engine directly is
+smaller and keeps every one of those behaviours visible and tested.
+
+Loss weighting: every micro-batch contributes ``loss_sum * world_size / tokens_in_global_batch``;
+DDP and DeepSpeed average gradients over ranks (÷ world_size) and DeepSpeed's own ÷accumulation is
+switched off (``scale_wrt_gas=False``). The step's gradient is therefore the gradient of the mean
+token loss over the whole global batch, whatever the split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .batching import Collator, epoch_batches, label_count, list_lengths, rank_micro_batches
+from .callbacks import StepLogger, peak_memory_mib
+from .distributed import DistInfo, setup, teardown
+from .liger import apply_liger
+from .model import LossModule, base_reference, build_model, load_base, load_trainable_state, save_base, trainable_state
+from .recipe import Recipe, RecipeError, check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int  # global step reached
+    losses: list[float] = field(default_factory=list)  # per step run in this launch (global token mean)
+    last_checkpoint: Path | None = None
+    tokens_per_s: float = 0.0
+    checkpoint_seconds: list[float] = field(default_factory=list)
+
+
+def train(recipe: Recipe, log=print) -> TrainResult:
+    """Run ``recipe`` in this process (one rank of a launcher, or alone). Returns on every rank."""
+    info = setup(use_deepspeed=bool(recipe.train.deepspeed))
+    try:
+        return Trainer(recipe, info, log=log).run()
+    finally:
+        teardown()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, info: DistInfo, log=print):
+        problems = check_recipe(recipe, info.world_size)
+        if problems:  # before any data or model is loaded
+            raise RecipeError(problems)
+        self.recipe = recipe
+        self.info = info
+        self.log = log if info.is_main else (lambda *_: None)
+        self.gas, self.global_batch, _ = resolve_accumulation(recipe, info.world_size)
+        self.run_dir = recipe.run_dir
+        self.engine = None  # DeepSpeed engine
+        self.ds_config: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def open_data(self) -> None:
+        """Prepare (rank 0, if asked and missing) and load the dataset; plan the batches."""
+        from ..data import load_prepared
+        from ..data.output import read_manifest
+
+        r = self.recipe
+        if read_manifest(Path(r.data.path)) is None and r.data.prepare is not None:
+            if self.info.is_main:
+                from ..data import prepare_stage1, prepare_stage2
+
+                (prepare_stage1 if r.stage == 1 else prepare_stage2)(prepare_settings(r), log=self.log)
+            self.info.barrier()
+        dataset, self.manifest = load_prepared(r.data.path)
+        if r.data.max_samples is not None:
+            dataset = dataset.select(range(min(r.data.max_samples, len(dataset))))
+        self.dataset = dataset.with_format("numpy", columns=["input_ids", "is_l1", "chunk_ids", "positions",
+                                                               "memory_positions", "labels", "intervals", "sample_index"])
+        self.chunks = list_lengths(dataset, "intervals")
+        self.lengths = list_lengths(dataset, "input_ids")
+        self.raw_lengths = np.asarray(dataset["num_raw_tokens"], dtype=np.int64)
+        self.steps_per_epoch = len(self.batches(0))
+        if self.steps_per_epoch == 0:
+            raise RecipeError([f"data.path {r.data.path} has {len(dataset)} samples, fewer than one global batch "
+                               f"of {self.global_batch}; lower train.global_batch_size or add data"])
+        self.total_steps = r.train.max_steps or max(1, int(r.train.epochs * self.steps_per_epoch))
+        pad = self.manifest.get("tokenizer", {}).get("pad_token_id")
+        self.collate = Collator(vanilla=r.mode == "vanilla", pad_token_id=int(pad) if pad is not None else 0)
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        r = self.recipe
+        return epoch_batches(self.chunks, self.global_batch, epoch=epoch, seed=r.seed, shuffle=r.data.shuffle,
+                             group_by_chunks=r.train.group_by_chunks)
+
+    def build(self) -> None:
+        """Model, optimizer, scheduler, and the DDP/DeepSpeed wrapper."""
+        from transformers import get_scheduler
+
+        r, t = self.recipe, self.recipe.train
+        seed_everything(r.seed)
+        self.model = build_model(r).to(self.info.device)
+        active = apply_liger(self.model, t.liger, log=self.log)
+        self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                           eps=t.adam_epsilon, weight_decay=t.weight_decay)
+        warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
+        self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=warmup,
+                                       num_training_steps=self.total_steps)
+        self.wrapped: torch.nn.Module = self.loss_module
+        if t.deepspeed:
+            import deepspeed
+
+            self.ds_config = self.deepspeed_config()
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=self.loss_module, model_parameters=params, optimizer=self.optimizer,
+                lr_scheduler=self.scheduler, config=self.ds_config)
+            self.wrapped = self.engine
+        elif self.info.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.info.local_rank] if self.info.device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(self.loss_module, device_ids=ids)
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The recipe's DeepSpeed JSON with every ``"auto"`` filled from the recipe."""
+        config = json.loads(Path(self.recipe.train.deepspeed).read_text(encoding="utf-8"))
+        for keys, value in deepspeed_expected(self.recipe, self.info.world_size).items():
+            node = config
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = value
+        config.setdefault("zero_allow_untested_optimizer", True)  # torch AdamW from the recipe
+        config.setdefault("steps_per_print", 10**9)
+        return config
+
+    def identity(self) -> dict[str, Any]:
+        """Fields a checkpoint must share with the recipe to continue it (see check_compatible)."""
+        r = self.recipe
+        zero = (self.ds_config or {}).get("zero_optimization", {}).get("stage", 0) if r.train.deepspeed else None
+        ident = {
+            "mode": r.mode, "stage": r.stage, "seed": r.seed, "base_model": base_reference(r),
+            "trainable": {k: list(v.shape) for k, v in trainable_state(self.model).items()},
+            "global_batch_size": self.global_batch, "data_fingerprint": self.manifest.get("fingerprint"),
+            "max_samples": r.data.max_samples, "shuffle": r.data.shuffle, "group_by_chunks": r.train.group_by_chunks,
+            "engine": f"deepspeed-zero{zero}" if r.train.deepspeed else "torch",
+        }
+        if r.train.deepspeed:
+            ident["world_size"] = self.info.world_size  # ZeRO optimizer shards are per rank
+        return ident
+
+    def prepare_run_dir(self) -> None:
+        if self.info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(self.recipe.to_yaml(), encoding="utf-8")
+            base_dir = self.run_dir / "base_model"
+            if self.recipe.model.source.startswith("tiny:") and self.recipe.model.save_base and not base_dir.exists():
+                save_base(load_base(self.recipe), base_dir, self.recipe)
+        self.info.barrier()
+
+    # ----------------------------------------------------------------------------------- resume
+
+    def resume(self) -> int:
+        """Load the checkpoint the recipe names (if any); returns the step to continue after."""
+        path = ckpt.resolve_resume(self.run_dir, self.recipe.checkpoint.resume_from_checkpoint)
+        if path is None:
+            return 0
+        meta = ckpt.read_meta(path)
+        ckpt.check_compatible(meta, self.identity(), path)
+        if self.engine is not None:
+            loaded, _ = self.engine.load_checkpoint(str(path / ckpt.DS_DIR), tag=ckpt.DS_TAG, load_module_strict=False)
+            if loaded is None:
+                raise ckpt.CheckpointMismatch(f"DeepSpeed found no state in {path / ckpt.DS_DIR}")
+        else:
+            load_trainable_state(self.model, ckpt.load_trainable(path))
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.info.device, weights_only=False))
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        ckpt.load_rng(path, self.info.rank)
+        self.tokens_seen = int(meta["tokens_seen"])
+        self.log(f"resumed from {path} at step {meta['step']}")
+        return int(meta["step"])
+
+    def save(self, step: int) -> Path:
+        meta = {
+            "step": step, "epoch": step // self.steps_per_epoch, "step_in_epoch": step % self.steps_per_epoch,
+            "tokens_seen": self.tokens_seen, "samples_seen": step * self.global_batch, "world_size": self.info.world_size,
+            "base_model": base_reference(self.recipe), "mode": self.recipe.mode, "stage": self.recipe.stage,
+            "base_model_dir": str(self.run_dir / "base_model") if (self.run_dir / "base_model").is_dir() else None,
+            "identity": self.identity(),
+        }
+        return ckpt.save_checkpoint(
+            self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=trainable_state(self.model),
+            meta=meta, recipe_yaml=self.recipe.to_yaml(), optimizer=self.optimizer, scheduler=self.scheduler,
+            engine=self.engine, keep_last=self.recipe.checkpoint.keep_last)
+
+    # ------------------------------------------------------------------------------------- loop
+
+    def run(self) -> TrainResult:
+        self.open_data()  # data problems surface before the model loads
+        self.build()
+        self.prepare_run_dir()
+        self.tokens_seen = 0
+        start = self.resume()
+        r = self.recipe
+        stop = min(self.total_steps, r.checkpoint.stop_after_step or self.total_steps)
+        logger = StepLogger(self.run_dir, rank=self.info.rank, total_steps=self.total_steps, start_step=start,
+                            tensorboard=r.logging.tensorboard, progress_bar=r.logging.progress_bar,
+                            log_samples=r.logging.log_samples, every_steps=r.logging.every_steps)
+        result = TrainResult(run_dir=self.run_dir, steps=start)
+        tokens_run, time_run = 0, 0.0
+        cached_epoch, epoch_plan = -1, []
+        try:
+            for step in range(start + 1, stop + 1):
+                epoch, index = divmod(step - 1, self.steps_per_epoch)
+                if epoch != cached_epoch:
+                    cached_epoch, epoch_plan = epoch, self.batches(epoch)
+                began = time.perf_counter()
+                metrics = self.train_step(epoch_plan[index], step, logger)
+                elapsed = time.perf_counter() - began
+                tokens_run += metrics["tokens"]
+                time_run += elapsed
+                metrics.update(epoch=epoch + index / self.steps_per_epoch, tokens_per_s=metrics["tokens"] / elapsed,
+                               step_seconds=elapsed, peak_memory_mib=peak_memory_mib(self.info.device))
+                result.losses.append(metrics["loss"])
+                result.steps = step
+                every = r.checkpoint.every_steps
+                if (every and step % every == 0) or step == stop:
+                    began = time.perf_counter()
+                    result.last_checkpoint = self.save(step)
+                    result.checkpoint_seconds.append(time.perf_counter() - began)
+                    metrics["checkpoint_seconds"] = result.checkpoint_seconds[-1]
+                logger.log_step(step, metrics)
+        finally:
+            logger.close()
+        result.tokens_per_s = tokens_run / time_run if time_run else 0.0
+        if result.steps < self.total_steps:
+            self.log(f"stopped after step {result.steps} of {self.total_steps} (checkpoint.stop_after_step)")
+        return result
+
+    def train_step(self, batch: np.ndarray, step: int, logger: StepLogger) -> dict[str, Any]:
+        """One optimizer step over one global batch; returns the global metrics of the step."""
+        info = self.info
+        micro = rank_micro_batches(batch, rank=info.rank, world_size=info.world_size,
+                                   micro=self.recipe.train.micro_batch_size, accumulation=self.gas)
+        logger.log_samples(step, [int(self.dataset[int(i)]["sample_index"]) for m in micro for i in m])
+        tensors = [self.collate([self.dataset[int(i)] for i in m]) for m in micro]
+        local_labels = sum(label_count(b) for b in tensors)
+        (global_labels,) = info.all_reduce_sum([local_labels])
+        scale = info.world_size / max(global_labels, 1.0)
+        lr = float(self.scheduler.get_last_lr()[0])
+        loss_total = 0.0
+        for j, batch_tensors in enumerate(tensors):
+            batch_tensors = {k: v.to(info.device) for k, v in batch_tensors.items()}
+            loss_total += self.micro_step(batch_tensors, scale, last=j == len(tensors) - 1)
+        grad_norm = self.optimizer_step()
+        (loss_sum,) = info.all_reduce_sum([loss_total])
+        mix = Counter(int(v) for i in batch for v in self.dataset[int(i)]["intervals"])
+        chunks = sum(mix.values())
+        tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
+        self.tokens_seen += tokens
+        metrics = {"loss": loss_sum / max(global_labels, 1.0), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                   "tokens_seen": self.tokens_seen, "label_tokens": int(global_labels),
+                   "rank_chunk_spread": self.rank_chunk_spread(batch)}
+        metrics.update({f"l1_interval_mix/{k}": v / chunks for k, v in sorted(mix.items())})
+        return metrics
+
+    def rank_chunk_spread(self, batch: np.ndarray) -> int:
+        """Max - min over ranks of the chunks each runs this step (the kernel loops to a micro-batch's max)."""
+        per_rank = [sum(int(self.chunks[m].max()) for m in rank_micro_batches(
+            batch, rank=r, world_size=self.info.world_size, micro=self.recipe.train.micro_batch_size,
+            accumulation=self.gas)) for r in range(self.info.world_size)]
+        return max(per_rank) - min(per_rank)
+
+    def micro_step(self, batch: dict[str, torch.Tensor], scale: float, last: bool) -> float:
+        """Forward + backward of one micro-batch, gradients weighted by its share of label tokens."""
+        bf16 = self.recipe.train.bf16 and self.engine is None and self.info.device.type == "cuda"
+        # DDP: skip the gradient all-reduce until the last micro-batch. DeepSpeed tracks the
+        # accumulation boundary itself (its no_sync is refused under ZeRO-2).
+        sync = last or self.engine is not None or not hasattr(self.wrapped, "no_sync")
+        context = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
+        with context, (self.wrapped.no_sync() if not sync else nullcontext()):
+            loss_sum, _ = self.wrapped(**batch)
+            loss = loss_sum * scale
+            if self.engine is not None:
+                self.engine.backward(loss, scale_wrt_gas=False)
+                self.engine.step()  # DeepSpeed counts micro-steps and updates at the boundary
+            else:
+                loss.backward()
+        return float(loss_sum.detach())
+
+    def optimizer_step(self) -> float:
+        """Clip, step, schedule (DeepSpeed already did all three); returns the pre-clip grad norm."""
+        if self.engine is not None:
+            norm = self.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        clip = self.recipe.train.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)

@@ -1,0 +1,199 @@
+"""The trainer in one process: exact resume, L1-only checkpoints, accumulation, stage 2, vanilla, logging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from acre_train.modeling import acre_parameters, attach_acre
+from acre_train.tiny import tiny_model
+from acre_train.train import CheckpointMismatch, load_recipe
+from acre_train.train import checkpoint as ckpt_module
+from acre_train.train.batching import epoch_batches, rank_micro_batches
+from acre_train.train.distributed import setup
+from acre_train.train.model import build_model
+from acre_train.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A small slice of the built-in text: ~100 spans of 96-160 tokens, chunks of 32 then 16 tokens.
+SMALL_DATA = ["data.prepare.token_budget=14000", "data.prepare.min_length=96", "data.prepare.max_length=160",
+              "data.prepare.first_chunk=32", "data.prepare.stride=16", "data.prepare.intervals=[4, 8]"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    # Intra-op threads only slow the tiny model down (thread sync dominates its small matmuls).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path_factory.mktemp("train")
+    torch.set_num_threads(threads)
+
+
+def recipe(workdir: Path, run: str, *overrides: str, stage: int = 1):
+    base = ROOT / f"recipes/tiny_stage{stage}.yaml"
+    data = [f"data.path={workdir / 'data1'}", *SMALL_DATA] if stage == 1 else [
+        f"data.path={workdir / 'data2'}", "data.prepare.max_samples=16", "data.prepare.context_tokens=128",
+        "data.prepare.max_length=256", "data.prepare.first_chunk=32", "data.prepare.stride=16"]
+    return load_recipe(base, [f"run_name={run}", f"output_root={workdir}", "logging.progress_bar=false",
+                              "train.max_steps=4", "checkpoint.every_steps=2", *data, *overrides])
+
+
+def run(recipe_):
+    trainer = Trainer(recipe_, setup(use_deepspeed=False), log=lambda *_: None)
+    return trainer, trainer.run()
+
+
+def test_resume_continues_exactly(workdir):
+    _, full = run(recipe(workdir, "full", "checkpoint.keep_last=null"))
+    _, first = run(recipe(workdir, "cut", "checkpoint.stop_after_step=2"))
+    assert first.steps == 2 and first.losses == full.losses[:2]
+    _, second = run(recipe(workdir, "cut", "checkpoint.resume_from_checkpoint=latest"))
+    assert second.steps == 4 and len(second.losses) == 2
+    np.testing.assert_allclose(second.losses, full.losses[2:], rtol=0, atol=1e-6)
+    a, b = load_file(str(full.last_checkpoint / "trainable.safetensors")), load_file(str(second.last_checkpoint / "trainable.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    assert not torch.equal(a["model.acre_embed_tokens.weight"], load_file(
+        str(workdir / "full/checkpoint-2/trainable.safetensors"))["model.acre_embed_tokens.weight"])
+    meta = json.loads((second.last_checkpoint / "acre_checkpoint.json").read_text())
+    assert meta["step"] == 4 and meta["samples_seen"] == 4 * 4 and meta["base_model"]["source"] == "tiny:qwen2"
+
+
+def test_base_is_frozen_and_checkpoints_hold_only_l1_state(workdir):
+    trainer, result = run(recipe(workdir, "frozen"))
+    fresh = tiny_model("qwen2", seed=0, vocab_size=1024, eos_token_id=0)
+    trained = dict(trainer.model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(trained[name].detach(), p), f"frozen base weight {name} changed"
+    acre = dict(acre_parameters(trainer.model))
+    untouched = attach_acre(tiny_model("qwen2", seed=0, vocab_size=1024, eos_token_id=0))
+    assert any(not torch.equal(acre[n], p) for n, p in acre_parameters(untouched)), "L1 weights did not train"
+
+    checkpoint = result.last_checkpoint
+    weights = load_file(str(checkpoint / "trainable.safetensors"))
+    assert set(weights) == set(acre)
+    l1_bytes = sum(p.numel() * 4 for p in acre.values())
+    base_bytes = sum(p.numel() * 4 for p in fresh.parameters())
+    size = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    # weights + AdamW's two moments, plus small RNG / json / yaml files; far below the base.
+    assert 3 * l1_bytes <= size <= 3 * l1_bytes + 120_000 < base_bytes
+    assert (checkpoint / "recipe.yaml").is_file() and (workdir / "frozen/recipe.yaml").is_file()
+    assert (workdir / "frozen/base_model/config.json").is_file()
+
+
+def test_accumulation_split_does_not_change_the_step(workdir):
+    # micro-batch 1 x accumulation 2 against micro-batch 2 x accumulation 1 (global batch 2).
+    _, a = run(recipe(workdir, "mb1", "train.micro_batch_size=1", "train.global_batch_size=2", "train.max_steps=3"))
+    _, c = run(recipe(workdir, "mb2", "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=3"))
+    assert a.losses[0] != a.losses[1]
+    np.testing.assert_allclose(a.losses, c.losses, rtol=0, atol=1e-5)
+    wa, wc = load_file(str(a.last_checkpoint / "trainable.safetensors")), load_file(str(c.last_checkpoint / "trainable.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wc[name], atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_from_another_recipe_fails_with_the_reason(workdir):
+    run(recipe(workdir, "mismatch", "train.max_steps=2"))
+    with pytest.raises(CheckpointMismatch, match=r"global_batch_size: checkpoint has 4, the recipe gives 8") as err:
+        run(recipe(workdir, "mismatch", "train.global_batch_size=8", "checkpoint.resume_from_checkpoint=latest"))
+    assert "seed" not in str(err.value)
+    with pytest.raises(CheckpointMismatch, match=r"seed: checkpoint has 0, the recipe gives 1"):
+        run(recipe(workdir, "mismatch", "seed=1", "checkpoint.resume_from_checkpoint=latest"))
+
+
+def test_interrupted_save_leaves_no_checkpoint(workdir, monkeypatch):
+    run(recipe(workdir, "atomic", "train.max_steps=2"))
+    before = (workdir / "atomic/latest").read_text()
+
+    def crash(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_module, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        run(recipe(workdir, "atomic", "train.max_steps=4", "checkpoint.resume_from_checkpoint=latest"))
+    assert not (workdir / "atomic/checkpoint-4").exists()
+    assert (workdir / "atomic/latest").read_text() == before
+    assert [p.name for p in ckpt_module.list_checkpoints(workdir / "atomic")] == ["checkpoint-2"]
+
+
+def test_stage2_starts_from_stage1_weights(workdir):
+    _, stage1 = run(recipe(workdir, "s1", "train.max_steps=2"))
+    stage1_weights = load_file(str(stage1.last_checkpoint / "trainable.safetensors"))
+    r2 = recipe(workdir, "s2", f"model.init_from={workdir / 's1'}", "train.max_steps=2", stage=2)
+    model = build_model(r2)
+    fresh = dict(acre_parameters(attach_acre(tiny_model("qwen2", seed=0, vocab_size=1024, eos_token_id=0))))
+    loaded = dict(acre_parameters(model))
+    for name, tensor in stage1_weights.items():
+        assert torch.equal(loaded[name].detach(), tensor), name
+    assert any(not torch.equal(loaded[n], fresh[n]) for n in fresh), "stage-1 weights equal a fresh init"
+    _, stage2 = run(r2)
+    assert stage2.steps == 2 and all(np.isfinite(stage2.losses))
+    # A stage-1 run on another base cannot seed stage 2.
+    other = recipe(workdir, "s2b", f"model.init_from={workdir / 's1'}", "model.tiny_seed=5", stage=2)
+    with pytest.raises(ValueError, match="was trained on base"):
+        build_model(other)
+
+
+def test_vanilla_mode_trains_the_whole_base_without_acre(workdir):
+    trainer, result = run(recipe(workdir, "vanilla", "mode=vanilla", "train.max_steps=2"))
+    assert not hasattr(trainer.model.model, "acre_embed_tokens")
+    assert all(p.requires_grad for p in trainer.model.parameters())
+    weights = load_file(str(result.last_checkpoint / "trainable.safetensors"))
+    assert set(weights) == {n for n, _ in trainer.model.named_parameters()}
+    fresh = tiny_model("qwen2", seed=0, vocab_size=1024, eos_token_id=0)
+    assert not torch.equal(weights["model.embed_tokens.weight"], fresh.model.embed_tokens.weight)
+    # The collator dropped every L1 slot: the batch holds only raw tokens.
+    row = trainer.dataset[0]
+    batch = trainer.collate([row])
+    assert batch["input_ids"].shape[1] == int((~np.asarray(row["is_l1"], bool)).sum()) and "is_l1" not in batch
+
+
+def test_logging_writes_the_named_scalars(workdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not (workdir / "frozen/metrics.jsonl").exists():
+        run(recipe(workdir, "frozen"))
+    events = EventAccumulator(str(workdir / "frozen/tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "peak_memory_mib", "l1_interval_mix/4"):
+        assert f"train/{tag}" in tags, tags
+    lines = [json.loads(l) for l in (workdir / "frozen/metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2, 3, 4] and lines[1]["tokens_seen"] > lines[0]["tokens_seen"]
+    assert abs(lines[0]["l1_interval_mix/4"] + lines[0]["l1_interval_mix/8"] - 1) < 1e-9
+
+
+def test_liger_toggles_are_refused_without_cuda(workdir):
+    from acre_train.train.liger import apply_liger
+    from acre_train.train.recipe import LigerSection
+
+    messages = []
+    model = tiny_model("qwen2")
+    forward = model.forward
+    active = apply_liger(model, LigerSection(rms_norm=True, fused_linear_cross_entropy=True), log=messages.append)
+    assert not any(active.values()) and "CUDA is not available" in messages[0]
+    assert model.forward == forward
+
+
+def test_batches_depend_on_the_global_batch_only_and_group_chunk_counts():
+    chunks = np.array([1, 2, 2, 3, 3, 3, 2, 1, 3, 2, 1, 3, 2, 2, 3, 1] * 3)
+    batches = epoch_batches(chunks, 4, epoch=0, seed=0)
+    assert sorted(np.concatenate(batches).tolist()) == sorted(range(len(chunks)))[: len(batches) * 4] or \
+        len(np.unique(np.concatenate(batches))) == len(batches) * 4
+    bucketed = [b for b in batches if len(set(chunks[b])) == 1]
+    assert len(bucketed) >= len(batches) - 2  # only the leftover batches mix chunk counts
+    for batch in bucketed:
+        for world, micro, gas in ((2, 1, 2), (2, 2, 1), (4, 1, 1)):
+            per_rank = [sum(int(chunks[m].max()) for m in rank_micro_batches(batch, rank=r, world_size=world, micro=micro,
+                                                                              accumulation=gas)) for r in range(world)]
+            assert len(set(per_rank)) == 1
+    split = [np.concatenate(rank_micro_batches(batches[0], rank=r, world_size=2, micro=1, accumulation=2)) for r in range(2)]
+    assert set(split[0]).isdisjoint(split[1]) and set(np.concatenate(split)) == set(batches[0])
+    assert [b.tolist() for b in epoch_batches(chunks, 4, epoch=0, seed=0)] == [b.tolist() for b in batches]
+    assert [b.tolist() for b in epoch_batches(chunks, 4, epoch=1, seed=0)] != [b.tolist() for b in batches]

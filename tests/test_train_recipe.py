@@ -1,0 +1,137 @@
+"""Recipes: schema errors name the key, cross-field problems are reported before any model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from acre_train import cli
+from acre_train.train import RecipeError, check_recipe, load_recipe, parse_overrides
+from acre_train.train import trainer as trainer_module
+from acre_train.train.recipe import resolve_accumulation
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny_stage1.yaml"
+
+
+def test_misspelled_keys_are_named_with_the_nearest_valid_one():
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, ["train.lerning_rate=1e-4", "chekpoint.every_steps=3"])
+    text = str(err.value)
+    assert "train.lerning_rate: unknown key; did you mean 'learning_rate'?" in text
+    assert "chekpoint: unknown key; did you mean 'checkpoint'?" in text
+
+
+def test_wrong_value_type_names_the_key():
+    with pytest.raises(RecipeError, match=r"train.micro_batch_size: .*got 'two'"):
+        load_recipe(TINY, ["train.micro_batch_size=two"])
+
+
+def test_overrides_tolerate_the_deepspeed_local_rank_argument():
+    pairs = parse_overrides(["--local_rank=1", "train.learning_rate=1e-4", "--local_rank", "0",
+                             "data.prepare.intervals=[4, 8]", "train.deepspeed=null"])
+    assert pairs == [("train.learning_rate", 1e-4), ("data.prepare.intervals", [4, 8]), ("train.deepspeed", None)]
+    with pytest.raises(RecipeError, match="not of the form key=value"):
+        parse_overrides(["learning_rate"])
+
+
+def test_overrides_reach_nested_sections():
+    recipe = load_recipe(TINY, ["train.learning_rate=0.5", "model.tiny_config.num_hidden_layers=3"])
+    assert recipe.train.learning_rate == 0.5 and recipe.model.tiny_config["num_hidden_layers"] == 3
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["train.global_batch_size=4", "train.micro_batch_size=3"], 1,
+     "train.global_batch_size=4 cannot be split into micro_batch_size=3 x 1 rank(s)"),
+    (["train.global_batch_size=8", "train.gradient_accumulation_steps=3"], 2,
+     "train.global_batch_size=8 but micro_batch_size=1 x gradient_accumulation_steps=3 x 2 rank(s) = 6"),
+    (["data.path=/nonexistent/data", "data.prepare=null"], 1, "data.path /nonexistent/data does not exist"),
+    (["stage=2"], 1, "stage 2 starts from stage-1 L1 weights: set model.init_from"),
+    (["model.init_from=/nonexistent/run"], 1, "model.init_from: /nonexistent/run is neither"),
+    (["train.deepspeed=/nonexistent/ds.json"], 1, "train.deepspeed: /nonexistent/ds.json does not exist"),
+    (["model.source=tiny:gpt2"], 1, "tiny architectures are llama, qwen2, qwen3, mistral"),
+    (["model.source=./no/such/model", "model.tiny_config={}"], 1, "model.source './no/such/model' does not exist"),
+])
+def test_cross_field_problems_have_one_actionable_message(overrides, world, message):
+    problems = check_recipe(load_recipe(TINY, overrides), world_size=world)
+    assert any(message in p for p in problems), problems
+
+
+def test_deepspeed_values_that_contradict_the_recipe_are_reported(tmp_path):
+    config = json.loads((ROOT / "recipes/deepspeed/zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 2
+    config["optimizer"] = {"type": "Adam"}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    problems = check_recipe(load_recipe(TINY, [f"train.deepspeed={tmp_path / 'ds.json'}"]), world_size=2)
+    assert any("train_micro_batch_size_per_gpu=2 but the recipe implies 1" in p for p in problems)
+    assert any("remove 'optimizer'/'scheduler'" in p for p in problems)
+
+
+def test_accumulation_is_derived_from_the_global_batch():
+    recipe = load_recipe(TINY, ["train.global_batch_size=8", "train.micro_batch_size=2"])
+    assert resolve_accumulation(recipe, 2)[:2] == (2, 8)
+
+
+def test_bad_recipe_fails_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    def forbidden(*_a, **_k):
+        raise AssertionError("the model was loaded before the recipe was checked")
+
+    monkeypatch.setattr(trainer_module, "build_model", forbidden)
+    monkeypatch.setattr("acre_train.train.model.load_base", forbidden)
+    for bad in (["train.micro_batch_size=3"], ["data.path=/nonexistent", "data.prepare=null"]):
+        rc = cli.main(["train", str(TINY), f"output_root={tmp_path}", *bad])
+        assert rc == 2
+        assert "problem" in capsys.readouterr().err
+    rc = cli.main(["train", str(TINY), "train.lerning_rate=1"])
+    assert rc == 2 and "did you mean 'learning_rate'" in capsys.readouterr().err
+
+
+def test_validate_verb(capsys):
+    assert cli.main(["validate", str(TINY)]) == 0
+    assert "ok:" in capsys.readouterr().out
+    assert cli.main(["validate", str(TINY), "train.micro_batch_size=3", "--world-size", "2"]) == 2
+    assert "divisible by 6" in capsys.readouterr().err
+
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_parses_and_starts_with_its_launch_command(path):
+    recipe = load_recipe(path)
+    head = path.read_text().splitlines()
+    comment = [line for line in head[: head.index(next(l for l in head if not l.startswith("#")))]]
+    assert any(("acre_train.train" in line or "acre-train train" in line) and line.startswith("#") for line in comment)
+    assert any("Overrides people change" in line for line in comment)
+    assert recipe.train.deepspeed is None or Path(recipe.train.deepspeed).is_file()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-3b", "qwen2.5-7b", "llama3.2-3b"])
+def test_paper_settings(name):
+    s1 = load_recipe(ROOT / f"recipes/{name}_stage1.yaml")
+    s2 = load_recipe(ROOT / f"recipes/{name}_stage2.yaml")
+    for recipe, lr, epochs in ((s1, 5e-5, 1), (s2, 1e-5, 2)):
+        assert recipe.train.global_batch_size == 8 and recipe.train.learning_rate == lr and recipe.train.epochs == epochs
+        assert recipe.train.bf16 and recipe.model.gradient_checkpointing and recipe.train.deepspeed
+        assert recipe.data.prepare["intervals"] == [8, 16, 32, 64, 128]
+    assert (s1.data.prepare["min_length"], s1.data.prepare["max_length"]) == (4096, 65536)
+    assert s2.stage == 2 and s2.model.init_from == f"checkpoints/{s1.run_name}"
+    assert resolve_accumulation(s1, 2)[:2] == (4, 8)
+
+
+def test_deepspeed_configs_leave_batch_clipping_precision_to_the_recipe():
+    for stage in (1, 2):
+        config = json.loads((ROOT / f"recipes/deepspeed/zero{stage}.json").read_text())
+        assert config["zero_optimization"]["stage"] == stage
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping"):
+            assert config[key] == "auto"
+        assert config["bf16"]["enabled"] == "auto" and "optimizer" not in config
+
+
+def test_resolved_recipe_roundtrips_through_yaml():
+    recipe = load_recipe(TINY, ["train.learning_rate=0.25"])
+    again = yaml.safe_load(recipe.to_yaml())
+    assert again["train"]["learning_rate"] == 0.25 and again["run_name"] == "tiny-stage1"
