@@ -228,15 +228,20 @@ class AttentionKernel:
 
 
 def _prefix_causal_sdpa(fn, module, query, keys, values, num_prefix: int) -> torch.Tensor:
-    """``chunk_mask`` attention through SDPA's ``is_causal`` path (flash kernels, no mask tensor).
+    """``chunk_mask`` attention through SDPA, picking the cheaper of two exact forms.
 
-    ``chunk_mask(P, L)`` is rows ``P..P+L`` of a square causal mask, so ``P`` zero queries are put in
-    front, the square causal problem is solved, and their rows are dropped. A single query sees
-    every key and needs no mask at all.
+    ``chunk_mask(P, L)`` is rows ``P..P+L`` of a square causal mask. When the prefix is shorter than
+    the chunk (training chunks, cache building), ``P`` zero queries are put in front and SDPA's
+    ``is_causal`` path runs (flash kernels, no mask tensor): ``(P + L)^2 / 2`` scores. When the
+    prefix is longer (a question over a refilled cache), the explicit mask costs ``L (P + L)`` and
+    wins. A single query sees every key and needs no mask at all.
     """
     length = query.shape[2]
     if length == 1:
         return fn(module, query, keys, values, None, dropout=0.0, scaling=module.scaling, is_causal=False)[0]
+    if num_prefix >= length:
+        mask = chunk_mask(num_prefix, length, query.device)
+        return fn(module, query, keys, values, mask, dropout=0.0, scaling=module.scaling)[0]
     if num_prefix:
         query = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
     out = fn(module, query, keys, values, None, dropout=0.0, scaling=module.scaling, is_causal=True)[0]
