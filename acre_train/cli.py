@@ -18,6 +18,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
     "validate": ("acre_train.train.validate", "check a training recipe (keys, batch split, data, DeepSpeed) without training"),
     "eval": ("acre_train.eval.cli", "compare full, truncated, CacheFocus, InfoFlow, ... on long-context QA tasks"),
+    "export": ("acre_train.export.cli", "turn a training run or checkpoint (ZeRO-1/2 too) into an inference-ready HF folder"),
+    "chat": ("acre_train.infer.chat_cli", "answer questions typed at a prompt about a long context file (export + refilling)"),
+    "generate": ("acre_train.infer.generate_cli", "answer a JSONL of (context, question) rows; writes answers with timing and memory"),
 }
 
 

@@ -1,0 +1,135 @@
+"""From a training run or checkpoint to an ACRE model: consolidate the weights, rebuild the base.
+
+A checkpoint (``acre_train/train/checkpoint.py``) holds the trainable L1 weights only, plus a
+reference to the frozen base. With DeepSpeed, the fp32 master weights are consolidated with
+DeepSpeed's own API (``get_fp32_state_dict_from_zero_checkpoint(..., exclude_frozen_parameters=True)``),
+which covers ZeRO-1 and ZeRO-2 shards; without it, ``trainable.safetensors`` is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modeling.adapter import ACRE_PREFIX, acre_parameters, attach_acre, load_acre_state_dict
+
+
+@dataclass
+class LoadedCheckpoint:
+    """An ACRE model rebuilt from a checkpoint, and what the export needs to describe it."""
+
+    model: nn.Module
+    checkpoint: Path
+    meta: dict[str, Any]
+    recipe: dict[str, Any]
+    base_pointer: str  # where an adapter-only export finds the base
+    weights_from: str  # "deepspeed-zero" or "trainable.safetensors"
+    tokenizer_spec: str | None = None
+    inference: dict[str, Any] = field(default_factory=dict)
+
+
+def consolidate_zero(ds_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """fp32 trainable weights from a DeepSpeed ZeRO-1/2 checkpoint folder (frozen params excluded)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, exclude_frozen_parameters=True))
+
+
+def match_acre_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Map consolidated names onto the model's L1 parameter names.
+
+    The engine wraps the model (e.g. a loss module holding it as ``model``), so names may carry
+    wrapper prefixes; the unique suffix match is taken. Non-L1 entries are an error: checkpoints
+    must hold L1 weights only.
+    """
+    own = [name for name, _ in acre_parameters(model)]
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if not any(part.startswith(ACRE_PREFIX) for part in key.split(".")):
+            raise ValueError(f"the checkpoint holds a non-L1 weight {key!r}: not an ACRE (L1-only) checkpoint")
+        hits = [name for name in own if key == name or key.endswith("." + name)]
+        if len(hits) != 1:
+            raise ValueError(f"checkpoint weight {key!r} matches {len(hits)} L1 parameters of the model")
+        out[hits[0]] = tensor
+    return out
+
+
+def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None) -> LoadedCheckpoint:
+    """Rebuild the trained ACRE model from a run directory (newest checkpoint) or a checkpoint."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from ..train.checkpoint import DS_DIR, DS_TAG, find_weights_checkpoint, load_trainable, read_meta
+
+    checkpoint = find_weights_checkpoint(Path(path))
+    meta = read_meta(checkpoint)
+    if meta.get("mode", "acre") != "acre":
+        raise ValueError(f"{checkpoint} is a {meta.get('mode')!r} run; only ACRE runs can be exported as ACRE models")
+    recipe_file = checkpoint / "recipe.yaml"
+    recipe = yaml.safe_load(recipe_file.read_text(encoding="utf-8")) if recipe_file.is_file() else {}
+    base_ref = meta.get("base_model") or {}
+    source = str(base_ref.get("source", ""))
+    if source.startswith("tiny:"):
+        base_dir = meta.get("base_model_dir") or str(checkpoint.parent / "base_model")
+        if not Path(base_dir).is_dir():
+            raise FileNotFoundError(f"{checkpoint}: the tiny base model folder {base_dir} is missing")
+        pointer = str(Path(base_dir).resolve())
+    elif source:
+        pointer = source
+    else:
+        raise ValueError(f"{checkpoint}: acre_checkpoint.json names no base model")
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    base = AutoModelForCausalLM.from_pretrained(pointer, **kwargs)
+
+    ds_dir = checkpoint / DS_DIR
+    if ds_dir.is_dir():
+        state, origin = consolidate_zero(ds_dir, tag=DS_TAG), "deepspeed-zero"
+    else:
+        state, origin = load_trainable(checkpoint), "trainable.safetensors"
+    train_o = any(".acre_o_proj." in key for key in state)
+    model = attach_acre(base, train_o_proj=train_o)
+    weights = match_acre_names(state, model)
+    own = next(model.parameters())
+    load_acre_state_dict(model, {k: v.to(own.device, own.dtype) for k, v in weights.items()})
+    prepare = ((recipe.get("data") or {}).get("prepare") or {})
+    return LoadedCheckpoint(
+        model=model.eval(), checkpoint=checkpoint, meta=meta, recipe=recipe, base_pointer=pointer,
+        weights_from=origin, tokenizer_spec=prepare.get("tokenizer"), inference=inference_defaults(prepare),
+    )
+
+
+def inference_defaults(prepare: dict[str, Any]) -> dict[str, Any]:
+    """Chunking the model was trained with; the interval is 16 when trained with it (DESIGN §1)."""
+    out: dict[str, Any] = {}
+    if "first_chunk" in prepare:
+        out["first_chunk"] = int(prepare["first_chunk"])
+    if "stride" in prepare:
+        out["stride"] = int(prepare["stride"])
+    intervals = prepare.get("intervals")
+    if isinstance(intervals, int):
+        intervals = [intervals]
+    if intervals:
+        out["interval"] = 16 if 16 in intervals else int(sorted(intervals)[len(intervals) // 2])
+    return out
+
+
+def load_tokenizer(spec: str | None, fallback: str | None) -> Any:
+    """The run's tokenizer: ``tiny`` (built-in), a path or hub id; ``None`` when none can be found."""
+    if spec == "tiny":
+        from ..data.tiny_tokenizer import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    for candidate in (spec, fallback):
+        if not candidate:
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(candidate)
+        except (OSError, ValueError):
+            continue
+    return None

@@ -1,0 +1,61 @@
+"""``acre-train export RUN_OR_CHECKPOINT OUT_DIR``: an inference-ready Hugging Face folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a training run directory (its newest checkpoint) or a checkpoint-<step> folder")
+    parser.add_argument("out_dir", help="the export folder to write")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="write only the L1 weights + a pointer to the base model (small, for sharing)")
+    parser.add_argument("--base-model", default=None,
+                        help="adapter-only: the base model path or hub id to point at (default: the run's base)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer to include: 'tiny', a path or hub id "
+                        "(default: the run's data.prepare.tokenizer, else the base model's)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="dtype of the written weights (default: the base model's)")
+    for name, help_text in (("first-chunk", "W0"), ("stride", "S"), ("interval", "l"),
+                            ("working-window", "W"), ("max-refill", "eta")):
+        parser.add_argument(f"--{name}", type=int, default=None,
+                            help=f"default inference {help_text} stored in the export (default: the run's chunking; interval 16 when trained with it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing ACRE export in OUT_DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..infer.cli import user_errors
+
+    return user_errors(_run)(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_checkpoint_model, load_tokenizer
+    from .writer import export_model
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    loaded = load_checkpoint_model(args.source, dtype=dtype)
+    tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer_spec, loaded.base_pointer)
+    if tokenizer is None:
+        print("warning: no tokenizer found; the export holds none (pass --tokenizer)")
+    inference = dict(loaded.inference)
+    for key in ("first_chunk", "stride", "interval", "working_window", "max_refill"):
+        if getattr(args, key) is not None:
+            inference[key] = getattr(args, key)
+    source = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
+              "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
+    out = export_model(loaded.model, args.out_dir, tokenizer=tokenizer, adapter_only=args.adapter_only,
+                       base_model=args.base_model or loaded.base_pointer, inference=inference, source=source,
+                       overwrite=args.overwrite)
+    size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
+    form = "adapter-only" if args.adapter_only else "full"
+    print(f"exported {loaded.checkpoint} ({loaded.weights_from}) -> {out} [{form}, {size / 2**20:.1f} MiB]")
+    print(f"inference defaults: {json.dumps(inference)}")
+    print(f"load: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0

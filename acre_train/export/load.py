@@ -1,0 +1,67 @@
+"""Loading an ACRE export for inference (our own classes: no ``trust_remote_code`` needed here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..infer.settings import CacheSettings, RefillSettings
+
+
+class NotAnAcreExport(ValueError):
+    """The folder is not something ``acre-train export`` wrote."""
+
+
+def check_export_dir(path: str | Path) -> dict[str, Any]:
+    """The export's ``config.json`` as a dict, or a clear error naming what is wrong."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise NotAnAcreExport(f"{folder} is not a directory (expected a folder written by 'acre-train export')")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise NotAnAcreExport(f"{folder} is not an ACRE export: it has no config.json")
+    data = json.loads(config.read_text(encoding="utf-8"))
+    if data.get("model_type") != "acre":
+        hint = (" (a plain base model; export an ACRE checkpoint with 'acre-train export')"
+                if data.get("model_type") else "")
+        raise NotAnAcreExport(f"{folder} is not an ACRE export: config.json has model_type "
+                              f"{data.get('model_type')!r}, expected 'acre'{hint}")
+    return data
+
+
+def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """``(model, tokenizer or None, config dict)`` of an export, model in eval mode on ``device``."""
+    from ..modeling.hf import AcreForCausalLM
+
+    data = check_export_dir(path)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    model = AcreForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
+    tokenizer = None
+    if any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        # The tokenizer needs none of the custom code; without this flag transformers would ask
+        # interactively (config.json has an auto_map). Its "model of type acre" notice is noise here.
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        finally:
+            hf_logging.set_verbosity(level)
+    return model, tokenizer, data
+
+
+def settings_from_export(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> tuple[CacheSettings, RefillSettings]:
+    """Inference settings: the export's stored defaults, then command-line ``overrides`` (None = keep)."""
+    stored = dict((data.get("acre") or {}).get("inference") or {})
+    values = {**stored, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    cache = CacheSettings(**{k: int(values[k]) for k in ("first_chunk", "stride", "interval") if k in values})
+    refill_keys = ("working_window", "max_refill", "max_new_tokens", "temperature", "top_p", "seed")
+    refill: dict[str, Any] = {k: values[k] for k in refill_keys if k in values}
+    if "scoring_layers" in values:
+        refill["scoring_layers"] = tuple(int(x) for x in values["scoring_layers"])
+    return cache, RefillSettings(**refill)

@@ -1,0 +1,82 @@
+"""Writing inference-ready Hugging Face folders for ACRE models (full or adapter-only).
+
+A full export holds ``config.json`` (``model_type: acre``, the base config's fields, an ``acre``
+section with the inference defaults, ``auto_map``), ``model.safetensors``, the tokenizer files and the
+modeling code (``hf.py`` + its relative imports), so that
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works offline without
+acre-train. An adapter-only export replaces the weights by ``acre_adapter.safetensors`` (the L1
+weights) and records ``base_model_name_or_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..modeling.adapter import acre_state_dict, is_acre_model
+from ..modeling.hf import ACRE_EXPORT_FORMAT, ADAPTER_WEIGHTS, AcreConfig, wrap
+
+EXPORT_README = """# ACRE export
+
+Load with `AutoModelForCausalLM.from_pretrained(this_folder, trust_remote_code=True)` (plain calls
+behave like the base model) or answer long-context questions with
+`acre-train chat {folder} --context FILE`.
+"""
+
+
+def export_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    adapter_only: bool = False,
+    base_model: str | None = None,
+    inference: dict[str, Any] | None = None,
+    source: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` (an ACRE model from ``attach_acre``) to ``out_dir``; returns the folder.
+
+    ``base_model``: where an adapter-only export finds its base (path or hub id; required then).
+    ``inference``: default inference settings stored under ``config.acre.inference``.
+    ``source``: provenance (checkpoint path, step) stored under ``config.acre.source``.
+    """
+    if not is_acre_model(model):
+        raise ValueError("export needs an ACRE model (attach_acre); got a model without L1 parameters")
+    if adapter_only and not base_model:
+        raise ValueError("--adapter-only needs the base model it points to (--base-model PATH_OR_HUB_ID)")
+    out = _prepare_dir(Path(out_dir), overwrite)
+    section = {"format": ACRE_EXPORT_FORMAT, "inference": dict(inference or {}), "source": dict(source or {})}
+    hf_model = wrap(model, acre=section)
+    if adapter_only:
+        from safetensors.torch import save_file
+        from transformers.dynamic_module_utils import custom_object_save
+
+        config: AcreConfig = hf_model.config
+        config.adapter_only = True
+        config.base_model_name_or_path = str(base_model)
+        custom_object_save(hf_model, out, config=config)  # modeling files + auto_map
+        config.save_pretrained(out)
+        save_file({k: v.detach().contiguous().cpu() for k, v in acre_state_dict(model).items()},
+                  str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    else:
+        hf_model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "README.md").write_text(EXPORT_README.format(folder=out), encoding="utf-8")
+    return out
+
+
+def _prepare_dir(out: Path, overwrite: bool) -> Path:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        if not (out / "config.json").is_file() or json.loads((out / "config.json").read_text()).get("model_type") != "acre":
+            raise FileExistsError(f"refusing to overwrite {out}: it is not an ACRE export")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -1,0 +1,13 @@
+"""Inference over a bi-layer cache: build once per context, answer many questions with refilling."""
+
+from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
+from .engine import AcreEngine, Answer
+from .prompt import QUESTION_TEMPLATE, PromptFormat
+from .refill import assemble, num_selected, score_entries, select_entries
+from .settings import CacheSettings, RefillSettings
+
+__all__ = [
+    "AcreEngine", "Answer", "BiLayerCache", "CacheMismatchError", "CacheSettings", "ContextTooLongError",
+    "PromptFormat", "QUESTION_TEMPLATE", "RefillSettings", "assemble", "build_cache", "fingerprint",
+    "num_selected", "score_entries", "select_entries",
+]

@@ -1,0 +1,306 @@
+"""The bi-layer cache of one context (DESIGN.md §5 "Build"), its fingerprint, and save/load.
+
+Layout (batch size 1, every tensor per layer stacked on dim 0):
+
+* **L1** (on the model's device): pre-RoPE keys ``l1_keys [L, H_kv, m, D]``, values ``l1_values``, and
+  the keys rotated at their memory positions ``j = 0..m-1`` (``l1_keys_rot``, what later chunks and
+  the scoring pass see).
+* **L2** (CPU memory): pre-RoPE keys/values ``[L, H_kv, N2, D]`` of every raw token of the finished
+  chunks, in text order. L1 entry ``j`` stands for ``l2[span_bounds[j]:span_bounds[j+1]]`` (the raw
+  tokens since the previous L1 token); ``l2[span_bounds[m]:]`` are *pending* raw tokens whose L1
+  token would fall in the unfinished chunk (only when chunk sizes are not multiples of ``l``).
+* **Tail**: the token ids of the unfinished last chunk; they are re-run with every question, which
+  continues that open chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..modeling.adapter import acre_forward
+from ..modeling.interleave import chunk_bounds, interleave
+from .rope import rotate
+from .settings import CacheSettings
+
+CACHE_FORMAT = "acre-bilayer-cache/1"
+
+
+class CacheMismatchError(ValueError):
+    """A saved cache was built by another model or with other settings."""
+
+
+class ContextTooLongError(ValueError):
+    """The context does not fit what the model and settings allow."""
+
+
+@dataclass
+class BiLayerCache:
+    """The query-independent cache of one context; reusable for any number of questions."""
+
+    settings: CacheSettings
+    fingerprint: str
+    l1_keys: torch.Tensor
+    l1_keys_rot: torch.Tensor
+    l1_values: torch.Tensor
+    l2_keys: torch.Tensor
+    l2_values: torch.Tensor
+    span_bounds: torch.Tensor  # [m + 1] int64, offsets into the L2 token axis
+    tail_ids: list[int]
+    carry: int  # raw tokens counted towards the next L1 group when the tail starts
+    num_context_tokens: int
+
+    @property
+    def num_l1(self) -> int:
+        return int(self.l1_keys.shape[2])
+
+    @property
+    def num_l2(self) -> int:
+        return int(self.l2_keys.shape[2])
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_l2 - int(self.span_bounds[-1])
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held on the accelerator (L1) and in CPU memory (L2)."""
+        l1 = sum(t.numel() * t.element_size() for t in (self.l1_keys, self.l1_keys_rot, self.l1_values))
+        l2 = sum(t.numel() * t.element_size() for t in (self.l2_keys, self.l2_values))
+        return {"l1": l1, "l2": l2}
+
+    def summary(self) -> str:
+        sizes = self.nbytes()
+        return (f"{self.num_context_tokens} context tokens -> {self.num_l1} L1 entries "
+                f"({sizes['l1'] / 2**20:.1f} MiB on {self.l1_keys.device}), {self.num_l2} L2 tokens "
+                f"({sizes['l2'] / 2**20:.1f} MiB on cpu), raw tail of {len(self.tail_ids)} tokens")
+
+    # ---------------------------------------------------------------------------------- save/load
+
+    def save(self, path: str | Path) -> Path:
+        """Write the cache to one ``.safetensors`` file; its metadata carries the fingerprint."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "l1_keys": self.l1_keys, "l1_values": self.l1_values,
+            "l2_keys": self.l2_keys, "l2_values": self.l2_values, "span_bounds": self.span_bounds,
+            "tail_ids": torch.tensor(self.tail_ids, dtype=torch.int64),
+        }
+        meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
+                "carry": self.carry, "num_context_tokens": self.num_context_tokens}
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"acre_cache": json.dumps(meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, model: nn.Module, settings: CacheSettings) -> "BiLayerCache":
+        """Load a saved cache for ``model`` and ``settings``; a cache built otherwise is an error."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no cache file at {path}")
+        with safe_open(str(path), framework="pt") as f:
+            raw_meta = (f.metadata() or {}).get("acre_cache")
+            if raw_meta is None:
+                raise CacheMismatchError(f"{path} is not an ACRE bi-layer cache (no 'acre_cache' metadata)")
+            meta = json.loads(raw_meta)
+            if meta.get("format") != CACHE_FORMAT:
+                raise CacheMismatchError(f"{path}: cache format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
+            if meta["settings"] != settings.as_dict():
+                raise CacheMismatchError(
+                    f"{path} was built with settings {meta['settings']}, but this run uses {settings.as_dict()}; "
+                    "rebuild the cache or use the settings it was built with")
+            expected = fingerprint(model, settings)
+            if meta["fingerprint"] != expected:
+                raise CacheMismatchError(
+                    f"{path} was built by another model (fingerprint {meta['fingerprint'][:12]}, this model "
+                    f"{expected[:12]}: different weights, dtype or architecture); rebuild the cache")
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        device = _device_of(model)
+        l1_keys = t["l1_keys"].to(device)
+        return cls(
+            settings=settings, fingerprint=meta["fingerprint"], l1_keys=l1_keys,
+            l1_keys_rot=rotate(model, l1_keys, torch.arange(l1_keys.shape[2])),
+            l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
+            span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
+            num_context_tokens=int(meta["num_context_tokens"]),
+        )
+
+
+# ------------------------------------------------------------------------------------ fingerprint
+
+def fingerprint(model: nn.Module, settings: CacheSettings, sample: int = 1024) -> str:
+    """A hash of the weights (names, shapes, dtypes, an evenly spaced sample of values) and settings.
+
+    Sampling keeps this fast for multi-billion-parameter models while any retrained, different or
+    differently-typed model still changes it. Config objects are left out on purpose: the same
+    weights loaded from an export or held in memory after training give the same fingerprint.
+    """
+    digest = hashlib.sha256(json.dumps(settings.as_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        if tensor.device.type == "meta":
+            raise ValueError("cannot fingerprint a model on the meta device")
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // sample)
+        values = flat[::step][:sample].to("cpu", torch.float64).numpy()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(values.tobytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------- build
+
+def finished_chunks(num_raw: int, settings: CacheSettings) -> tuple[int, int]:
+    """(number of finished chunks, raw tokens they hold); a chunk is finished when it is full."""
+    bounds = chunk_bounds(num_raw, settings.first_chunk, settings.stride)
+    done = 0
+    for t, (start, end) in enumerate(bounds):
+        full = settings.first_chunk if t == 0 else settings.stride
+        if end - start < full:
+            break
+        done = t + 1
+    return done, (bounds[done - 1][1] if done else 0)
+
+
+def check_context(model: nn.Module, num_raw: int, settings: CacheSettings, working_window: int | None) -> None:
+    """Raise ``ContextTooLongError`` before any work when a context cannot be served."""
+    plan_m = interleave(np.zeros(num_raw, dtype=np.int64), first_chunk=settings.first_chunk,
+                        stride=settings.stride, intervals=settings.interval)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and plan_m.max_position >= limit:
+        raise ContextTooLongError(
+            f"a context of {num_raw} tokens reaches RoPE position {plan_m.max_position} while building the "
+            f"cache (max_position_embeddings {limit}); use a larger interval or a smaller first_chunk/stride")
+    done, _ = finished_chunks(num_raw, settings)
+    m = int(plan_m.is_l1[plan_m.chunk_ids < done].sum())
+    if working_window is not None and m > working_window:
+        raise ContextTooLongError(
+            f"a context of {num_raw} tokens gives {m} L1 entries, more than the working window "
+            f"W = {working_window}; raise W, use a larger interval, or shorten the context")
+
+
+def build_cache(
+    model: nn.Module,
+    context_ids: Sequence[int],
+    settings: CacheSettings,
+    *,
+    working_window: int | None = None,
+    progress: bool | None = None,
+    kernel_backend: str | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> BiLayerCache:
+    """Stream ``context_ids`` through the plan of the whole context and return its bi-layer cache.
+
+    Every finished chunk runs once, attending to the L1 cache built so far (a KV prefix at memory
+    positions ``j``) and to itself; its L1 KV stays on the device, its raw tokens' KV moves to CPU as
+    each layer produces it. ``progress``: show a bar (default: when there are more than 4 chunks).
+    """
+    ids = np.asarray(context_ids, dtype=np.int64).reshape(-1)
+    check_context(model, len(ids), settings, working_window)
+    device = _device_of(model)
+    fingerprint_ = fingerprint(model, settings)
+    plan = interleave(ids, first_chunk=settings.first_chunk, stride=settings.stride, intervals=settings.interval)
+    done, raw_done = finished_chunks(len(ids), settings)
+    layers = model.config.num_hidden_layers
+
+    l1_k: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    l1_v: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    kv_heads, head_dim = _kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    # L2 goes straight into preallocated CPU tensors (no second copy when the build ends); pinned
+    # when the model is on CUDA so the per-layer copies can overlap with compute.
+    pin = device.type == "cuda"
+    l2_keys = torch.empty(layers, kv_heads, raw_done, head_dim, dtype=dtype, pin_memory=pin)
+    l2_values = torch.empty(layers, kv_heads, raw_done, head_dim, dtype=dtype, pin_memory=pin)
+    raw_before = 0  # raw tokens of the chunks already built = where this chunk's L2 goes
+    l1_rot: torch.Tensor | None = None  # [L, H_kv, m, D]
+    l1_val: torch.Tensor | None = None
+
+    chunks = range(done)
+    if progress is None:
+        progress = done > 4
+    if progress:
+        from tqdm.auto import tqdm
+
+        chunks = tqdm(chunks, desc="building cache", unit="chunk")
+    for t in chunks:
+        sel = plan.chunk_ids == t
+        is_l1 = torch.as_tensor(plan.is_l1[sel], device=device)
+        l1_pos = torch.nonzero(is_l1, as_tuple=False).reshape(-1)
+        raw_pos = torch.nonzero(~is_l1, as_tuple=False).reshape(-1)
+
+        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+            # L2 leaves the device as soon as a layer produced it; L1 stays.
+            end = raw_before + raw_pos.numel()
+            l2_keys[layer, :, raw_before:end].copy_(key[0].index_select(1, raw_pos), non_blocking=pin)
+            l2_values[layer, :, raw_before:end].copy_(value[0].index_select(1, raw_pos), non_blocking=pin)
+            l1_k[layer].append(key[0].index_select(1, l1_pos))
+            l1_v[layer].append(value[0].index_select(1, l1_pos))
+
+        prefix = None
+        if l1_rot is not None and l1_rot.shape[2] > 0:
+            rot, val = l1_rot, l1_val
+            prefix = lambda layer: (rot[layer][None], val[layer][None])  # noqa: E731
+        with torch.no_grad():
+            acre_forward(
+                model, input_ids=_t(plan.input_ids[sel], device)[None], is_l1=is_l1[None],
+                chunk_ids=torch.zeros(1, int(sel.sum()), dtype=torch.long, device=device),
+                positions=_t(plan.positions[sel], device)[None],
+                memory_positions=_t(plan.memory_positions[sel], device)[None],
+                kernel="chunked", backend=kernel_backend,
+                prefix=prefix, capture=capture,
+            )
+        keys = torch.stack([torch.cat(k, dim=1) for k in l1_k])
+        l1_val = torch.stack([torch.cat(v, dim=1) for v in l1_v])
+        l1_rot = rotate(model, keys, torch.arange(keys.shape[2]))
+        raw_before += int(raw_pos.numel())
+        if on_chunk is not None:
+            on_chunk(t + 1, done)
+    if pin:
+        torch.cuda.synchronize(device)  # the non-blocking L2 copies have landed
+
+    def stack(parts: list[list[torch.Tensor]], where: torch.device | str) -> torch.Tensor:
+        if not parts[0]:
+            return torch.zeros(layers, kv_heads, 0, head_dim, dtype=dtype, device=where)
+        return torch.stack([torch.cat(p, dim=1) for p in parts])
+
+    l1_keys = stack(l1_k, device)
+    finished = plan.raw_index[: _finished_len(plan, done)]
+    l1_slots = np.nonzero(finished < 0)[0]
+    # Raw tokens before each L1 token of the finished chunks = the end of its span on the L2 axis.
+    span_ends = l1_slots - np.arange(len(l1_slots))
+    return BiLayerCache(
+        settings=settings, fingerprint=fingerprint_,
+        l1_keys=l1_keys, l1_keys_rot=rotate(model, l1_keys, torch.arange(l1_keys.shape[2])),
+        l1_values=stack(l1_v, device), l2_keys=l2_keys, l2_values=l2_values,
+        span_bounds=torch.as_tensor(np.concatenate([[0], span_ends]), dtype=torch.int64),
+        tail_ids=ids[raw_done:].tolist(), carry=raw_done - int(span_ends[-1] if len(span_ends) else 0),
+        num_context_tokens=len(ids),
+    )
+
+
+def _finished_len(plan, done: int) -> int:
+    """Interleaved length of the first ``done`` chunks."""
+    return int((plan.chunk_ids < done).sum())
+
+
+def _kv_shape(model: nn.Module) -> tuple[int, int]:
+    attn = model.model.layers[0].self_attn
+    return model.config.num_key_value_heads, attn.head_dim
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _t(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(array), dtype=torch.long, device=device)

@@ -1,0 +1,165 @@
+"""``acre-train chat`` and ``acre-train generate``: answering questions about long contexts from an export."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+from .memory import peak_memory_mib
+
+
+def user_errors(run):
+    """Report the errors a user can fix (bad folder, mismatched cache, context too long) in one line."""
+    import functools
+
+    @functools.wraps(run)
+    def wrapper(args, *rest, **kw) -> int:
+        try:
+            return run(args, *rest, **kw)
+        except (ValueError, FileNotFoundError, FileExistsError) as exc:
+            print(f"acre-train {getattr(args, 'verb', '')}: error: {exc}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("export", help="a folder written by 'acre-train export'")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="model dtype (default: the export's; use float32 on CPU)")
+    g = parser.add_argument_group("chunking (fixed per cache; defaults stored in the export)")
+    g.add_argument("--first-chunk", type=int, default=None, help="W0, raw tokens in the first chunk")
+    g.add_argument("--stride", type=int, default=None, help="S, raw tokens in every later chunk")
+    g.add_argument("--interval", type=int, default=None, help="l, raw tokens per L1 token")
+    g = parser.add_argument_group("refilling and decoding (per question)")
+    g.add_argument("--working-window", type=int, default=None, help="W, max L1 entries + refilled tokens")
+    g.add_argument("--max-refill", type=int, default=None, help="eta, max refilled raw tokens")
+    g.add_argument("--scoring-layers", type=int, nargs="+", default=None, help="layers that score (default: -1, the last)")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar while building a cache (default: for contexts of more than 4 chunks)")
+
+
+def make_engine(args: argparse.Namespace):
+    """Load the export and build an ``AcreEngine`` with its settings and the command-line overrides."""
+    import torch
+
+    from ..export.load import load_export, settings_from_export
+    from .engine import AcreEngine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model, tokenizer, data = load_export(args.export, device=device, dtype=dtype)
+    if tokenizer is None:
+        raise SystemExit(f"{args.export} holds no tokenizer files; re-export with --tokenizer")
+    overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
+                                                "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers")}
+    cache_settings, refill = settings_from_export(data, overrides)
+    return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
+
+
+# --------------------------------------------------------------------------------------------- chat
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--context", required=True, help="text file with the long context")
+    parser.add_argument("--save-cache", default=None, help="write the built cache here (.safetensors)")
+    parser.add_argument("--load-cache", default=None, help="reuse a cache saved with --save-cache (same export/settings)")
+
+
+@user_errors
+def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
+    engine = make_engine(args)
+    tic = time.perf_counter()
+    if args.load_cache:
+        cache = engine.load_cache(args.load_cache)
+        print(f"loaded cache {args.load_cache} in {time.perf_counter() - tic:.2f}s")
+    else:
+        text = Path(args.context).read_text(encoding="utf-8")
+        cache = engine.build(text, progress=args.progress)
+        print(f"built cache in {time.perf_counter() - tic:.2f}s")
+        if args.save_cache:
+            print(f"saved cache to {cache.save(args.save_cache)}")
+    print(cache.summary())
+    print(f"settings: {engine.cache_settings}, W={engine.refill.working_window}, eta={engine.refill.max_refill}")
+    print("Ask questions about the context (empty line or Ctrl-D to quit).")
+    while True:
+        print("> ", end="", flush=True)
+        line = stdin.readline()
+        if not line or not line.strip():
+            return 0
+        answer = engine.answer(cache, line.strip())
+        print(answer.text)
+        print(f"  [{answer.describe()}]")
+
+
+# ----------------------------------------------------------------------------------------- generate
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--input", required=True,
+                        help="JSONL rows with 'question' and 'context' (text) or 'context_file' (path); 'id' optional")
+    parser.add_argument("--output", required=True, help="JSONL of answers with timing and memory figures")
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Rows of the input JSONL; a malformed row is an error naming its line."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"{path}:{line_no}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or "question" not in row or not ("context" in row or "context_file" in row):
+                raise SystemExit(f"{path}:{line_no}: a row needs 'question' and 'context' or 'context_file'")
+            yield line_no, row
+
+
+@user_errors
+def run_generate(args: argparse.Namespace) -> int:
+    engine = make_engine(args)
+    caches: dict[str, Any] = {}  # context hash -> cache; rows sharing a context reuse its cache
+    count = 0
+    with open(args.output, "w", encoding="utf-8") as out:
+        for line_no, row in read_rows(args.input):
+            context = row["context"] if "context" in row else Path(row["context_file"]).read_text(encoding="utf-8")
+            key = hashlib.sha256(context.encode("utf-8")).hexdigest()
+            reused = key in caches
+            build_s = 0.0
+            if not reused:
+                caches.clear()  # keep one context's cache at a time: L2 of long contexts is large
+                tic = time.perf_counter()
+                caches[key] = engine.build(context, progress=args.progress)
+                build_s = time.perf_counter() - tic
+            cache = caches[key]
+            answer = engine.answer(cache, row["question"])
+            decode = answer.timings["decode_s"]
+            record = {
+                "id": row.get("id", line_no), "question": row["question"], "answer": answer.text,
+                "context_tokens": cache.num_context_tokens, "num_l1": answer.num_l1, "k": answer.k,
+                "refilled_spans": len(answer.selected), "cache_length": answer.cache_length,
+                "cache_reused": reused, "build_s": round(build_s, 4),
+                **{k: round(v, 4) for k, v in answer.timings.items()},
+                "new_tokens": len(answer.token_ids),
+                "tokens_per_s": round(len(answer.token_ids) / decode, 2) if decode > 0 else None,
+                "l1_cache_mib": round(cache.nbytes()["l1"] / 2**20, 3),
+                "l2_cache_mib": round(cache.nbytes()["l2"] / 2**20, 3),
+                "peak_memory_mib": round(peak_memory_mib(engine.device), 1),
+            }
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            count += 1
+            print(f"[{record['id']}] {answer.text!r}  ({answer.describe()})")
+    print(f"wrote {count} answers to {args.output}")
+    return 0

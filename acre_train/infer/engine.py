@@ -1,0 +1,273 @@
+"""Answering questions from a bi-layer cache: score, select, refill, re-run the query, decode.
+
+>>> engine = AcreEngine(model, tokenizer)                      # doctest: +SKIP
+>>> cache = engine.build(open("book.txt").read())              # once per context  # doctest: +SKIP
+>>> engine.answer(cache, "Who is the narrator?").text          # any number of times  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..modeling.adapter import acre_forward
+from ..modeling.interleave import interleave
+from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
+from .prompt import PromptFormat
+from .refill import assemble, num_selected, score_entries, select_entries
+from .rope import rotate
+from .settings import CacheSettings, RefillSettings
+
+
+@dataclass
+class Answer:
+    """What one question produced, and what it cost."""
+
+    token_ids: list[int]
+    text: str | None
+    first_logits: torch.Tensor  # [V] next-token logits after the question (before decoding)
+    scores: torch.Tensor | None  # [m] relevance of every L1 entry (None when no scoring was needed)
+    selected: list[int]  # L1 entries whose spans were refilled, in text order
+    k: int
+    num_l1: int
+    cache_length: int  # refilled cache length P (L1 entries + refilled raw tokens)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        t = self.timings
+        return (f"refilled {len(self.selected)}/{self.num_l1} spans (k={self.k}), cache {self.cache_length} tokens; "
+                f"score {t.get('score_s', 0):.3f}s, refill {t.get('refill_s', 0):.3f}s, "
+                f"query {t.get('prefill_s', 0):.3f}s, decode {t.get('decode_s', 0):.3f}s "
+                f"({len(self.token_ids)} tokens)")
+
+
+class _StopForward(Exception):
+    """Raised from a capture hook once the last scoring layer has been seen (skips the rest)."""
+
+
+class _KV:
+    """Per-layer KV (rotated keys, values) of the refilled cache + the open chunk, grown in place.
+
+    Preallocated to ``capacity`` tokens so that decoding appends without copying the whole cache
+    every step; ``prefix`` hands out views of the filled part.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        layers, heads, length, dim = keys.shape
+        self.keys = keys.new_empty(layers, heads, max(capacity, length), dim)
+        self.values = values.new_empty(layers, heads, max(capacity, length), dim)
+        self.keys[:, :, :length] = keys
+        self.values[:, :, :length] = values
+        self.length = length
+
+    def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer, None, :, : self.length], self.values[layer, None, :, : self.length]
+
+    def extend(self, new: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        added = next(iter(new.values()))[0].shape[1]
+        if self.length + added > self.keys.shape[2]:  # beyond the planned capacity: grow
+            grow = max(added, self.keys.shape[2] // 2)
+            pad = self.keys.new_empty(*self.keys.shape[:2], grow, self.keys.shape[3])
+            self.keys, self.values = torch.cat([self.keys, pad], 2), torch.cat([self.values, pad.clone()], 2)
+        for layer, (k, v) in new.items():
+            self.keys[layer, :, self.length : self.length + added] = k
+            self.values[layer, :, self.length : self.length + added] = v
+        self.length += added
+
+
+class AcreEngine:
+    """Inference with query-guided refilling over a bi-layer cache (batch size 1).
+
+    ``cache_settings`` fix how contexts are chunked (a cache is tied to them); ``refill`` holds the
+    per-question defaults (``W``, ``eta``, scoring layers, decoding), overridable per call.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, *, cache_settings: CacheSettings | None = None,
+                 refill: RefillSettings | None = None, prompt: PromptFormat | None = None,
+                 backend: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.cache_settings = cache_settings or CacheSettings()
+        self.refill = refill or RefillSettings()
+        self.prompt = prompt or PromptFormat(tokenizer)
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """This model's cache fingerprint (computed once: the weights must not change under an engine)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model, self.cache_settings)
+        return self._fingerprint
+
+    # ------------------------------------------------------------------------------------- build
+
+    def build(self, context: str | Sequence[int], *, progress: bool | None = None) -> BiLayerCache:
+        """Build the bi-layer cache of ``context`` (text, rendered into the user turn, or token ids)."""
+        ids = self.prompt.context_ids(context) if isinstance(context, str) else list(context)
+        return build_cache(self.model, ids, self.cache_settings, working_window=self.refill.working_window,
+                           progress=progress, kernel_backend=self.backend)
+
+    def load_cache(self, path) -> BiLayerCache:
+        return BiLayerCache.load(path, self.model, self.cache_settings)
+
+    # ------------------------------------------------------------------------------------ answer
+
+    def answer(self, cache: BiLayerCache, question: str | Sequence[int], **overrides: Any) -> Answer:
+        """Answer ``question`` from ``cache`` (the context is not re-encoded).
+
+        The unfinished last chunk of the context (raw tail), the question and the answer form one open
+        chunk after the refilled cache, whatever its length (it is not split at the stride): ``W``
+        bounds the refilled cache, the open chunk comes on top of it.
+        """
+        settings = self.refill.replace(**overrides) if overrides else self.refill
+        if cache.settings != self.cache_settings:
+            raise CacheMismatchError(f"this cache was built with {cache.settings}, the engine uses {self.cache_settings}")
+        if cache.fingerprint != self.fingerprint:
+            raise CacheMismatchError("this cache was built by another model (different weights, dtype or architecture)")
+        q_ids = self.prompt.question_ids(question) if isinstance(question, str) else list(question)
+        if not q_ids:
+            raise ValueError("the question is empty")
+        timings: dict[str, float] = {}
+        interval = self.cache_settings.interval
+        raw = cache.tail_ids + q_ids
+        plan = interleave(raw, first_chunk=len(raw), stride=len(raw), intervals=interval, carry_in=cache.carry)
+        m = cache.num_l1
+        k = num_selected(m, interval, settings.working_window, settings.max_refill)
+
+        tic = time.perf_counter()
+        scores = None
+        if 0 < k < m:
+            scores = self.scores(cache, plan, num_tail=len(cache.tail_ids), layers=settings.scoring_layers)
+            selected = select_entries(scores, k)
+        else:
+            selected = torch.arange(k)  # all or nothing: no need to score
+        timings["score_s"] = time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        refilled = assemble(self.model, cache, selected)
+        timings["refill_s"] = time.perf_counter() - tic
+        self._check_room(refilled.length, len(plan), settings.max_new_tokens)
+
+        tic = time.perf_counter()
+        capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
+        kv = _KV(refilled.keys, refilled.values, capacity)
+        first_logits = self._prefill(kv, plan)
+        timings["prefill_s"] = time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        tokens = self._decode(kv, first_logits, plan.carry_out, settings)
+        timings["decode_s"] = time.perf_counter() - tic
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return Answer(token_ids=tokens, text=text, first_logits=first_logits, scores=scores,
+                      selected=selected.tolist(), k=k, num_l1=m, cache_length=refilled.length, timings=timings)
+
+    def scores(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int] = (-1,)) -> torch.Tensor:
+        """Relevance of every L1 entry for the question in ``plan`` (tail + question, interleaved).
+
+        The query runs as the open chunk over the L1 cache alone, exactly as the training plan has it
+        (L1 keys at memory positions ``j``, the chunk at ``m + i``); the question's raw tokens' query
+        states at the scoring layers are taken, and the forward stops after the last of them.
+        """
+        n_layers = self.model.config.num_hidden_layers
+        wanted = sorted({layer % n_layers for layer in layers})
+        if any(not -n_layers <= layer < n_layers for layer in layers):
+            raise ValueError(f"scoring layers {tuple(layers)} out of range for a {n_layers}-layer model")
+        rows = torch.as_tensor(np.nonzero(plan.raw_index >= num_tail)[0], device=self.device)
+        queries: dict[int, torch.Tensor] = {}
+
+        def capture(layer: int, query: torch.Tensor, _key: torch.Tensor, _value: torch.Tensor) -> None:
+            if layer in wanted:
+                queries[layer] = query[0].index_select(1, rows)
+                if layer == wanted[-1]:
+                    raise _StopForward
+
+        m = cache.num_l1
+        try:
+            self._forward(plan, offset=m, prefix=lambda layer: (cache.l1_keys_rot[layer][None], cache.l1_values[layer][None]),
+                          capture=capture)
+        except _StopForward:
+            pass
+        return score_entries([queries[layer] for layer in wanted], [cache.l1_keys_rot[layer] for layer in wanted])
+
+    # --------------------------------------------------------------------------------- internals
+
+    def _forward(self, plan, *, offset: int, prefix, capture, want_hidden: bool = False) -> torch.Tensor | None:
+        """Run ``plan`` (one open chunk) at positions ``offset + i`` over a KV ``prefix`` of ``offset`` keys."""
+        n = len(plan)
+        positions = torch.as_tensor(plan.positions, device=self.device)[None] + offset
+        memory = torch.where(torch.as_tensor(plan.is_l1, device=self.device)[None], positions, -1)
+        with torch.no_grad():
+            out = acre_forward(
+                self.model, input_ids=torch.as_tensor(plan.input_ids, device=self.device)[None],
+                is_l1=torch.as_tensor(plan.is_l1, device=self.device)[None],
+                chunk_ids=torch.zeros(1, n, dtype=torch.long, device=self.device), positions=positions,
+                memory_positions=memory, kernel="chunked", backend=self.backend, prefix=prefix,
+                capture=capture,
+            )
+        return out.hidden_states if want_hidden else None
+
+    def _run_and_extend(self, kv: _KV, plan) -> torch.Tensor:
+        """Run ``plan`` after ``kv``, append its KV (rotated at its positions), return the hidden states."""
+        offset = kv.length
+        new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        positions = torch.as_tensor(plan.positions) + offset
+
+        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+            new[layer] = (rotate(self.model, key[0], positions), value[0])
+
+        hidden = self._forward(plan, offset=offset, prefix=kv.prefix, capture=capture, want_hidden=True)
+        kv.extend(new)
+        return hidden
+
+    def _prefill(self, kv: _KV, plan) -> torch.Tensor:
+        hidden = self._run_and_extend(kv, plan)
+        last_raw = int(np.nonzero(~plan.is_l1)[0][-1])
+        return self.model.lm_head(hidden[0, last_raw]).float()
+
+    def _decode(self, kv: _KV, logits: torch.Tensor, carry: int, settings: RefillSettings) -> list[int]:
+        """Greedy or sampled decoding; an L1 token follows every ``l``-th generated raw token, as in training."""
+        interval = self.cache_settings.interval
+        stop = set(settings.stop_token_ids)
+        if settings.stop_at_eos:
+            stop |= self.prompt.stop_ids(self.model.config)
+        generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+        tokens: list[int] = []
+        for _ in range(settings.max_new_tokens):
+            token = _next_token(logits, settings, generator)
+            tokens.append(token)
+            if token in stop or len(tokens) == settings.max_new_tokens:
+                break
+            step = interleave([token], first_chunk=1, stride=1, intervals=interval, carry_in=carry)
+            carry = step.carry_out
+            with torch.no_grad():
+                hidden = self._run_and_extend(kv, step)
+                logits = self.model.lm_head(hidden[0, 0]).float()
+        return tokens
+
+    def _check_room(self, cache_length: int, query_length: int, max_new: int) -> None:
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        interval = self.cache_settings.interval
+        needed = cache_length + query_length + max_new + max_new // interval + 1
+        if limit is not None and needed > limit:
+            raise ContextTooLongError(
+                f"refilled cache ({cache_length}) + open chunk and question ({query_length}) + "
+                f"{max_new} new tokens need {needed} positions, the model has {limit}; lower W / max_refill, "
+                "max_new_tokens, or the stride")
+
+
+def _next_token(logits: torch.Tensor, settings: RefillSettings, generator: torch.Generator) -> int:
+    if settings.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.cpu() / settings.temperature, dim=-1)
+    if settings.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < settings.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -1,0 +1,110 @@
+"""Query-guided refilling (DESIGN.md §5): score the L1 entries, pick the top ``k``, assemble the cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .cache import BiLayerCache
+from .rope import rotate
+
+
+def score_entries(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
+    """One relevance score per L1 entry.
+
+    ``queries[i]``: rotated query states ``[H, n, D]`` of the question tokens at scoring layer ``i``;
+    ``keys[i]``: that layer's L1 keys ``[H_kv, m, D]``, rotated at the positions the queries saw
+    them. Logits ``q·k / sqrt(D)`` (true division), softmax over the ``m`` entries, mean over heads
+    and query tokens, then over layers. Computed in fp32 whatever the model dtype.
+    """
+    per_layer = []
+    for q, k in zip(queries, keys, strict=True):
+        group = q.shape[0] // k.shape[0]  # GQA: query head h reads KV head h // group
+        k = k.repeat_interleave(group, dim=0).float()
+        logits = torch.matmul(q.float(), k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+        per_layer.append(torch.softmax(logits, dim=-1).mean(dim=(0, 1)))
+    return torch.stack(per_layer).mean(dim=0)
+
+
+def num_selected(num_l1: int, interval: int, working_window: int, max_refill: int) -> int:
+    """``k = floor(min(W - m, eta) / l)``, clamped to ``[0, m]``.
+
+    >>> num_selected(0, 16, 100, 64), num_selected(10, 16, 1000, 8), num_selected(10, 16, 5, 4096)
+    (0, 0, 0)
+    >>> num_selected(10, 4, 30, 4096), num_selected(10, 4, 10_000, 4096)
+    (5, 10)
+    """
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1, got {interval}")
+    k = math.floor(min(working_window - num_l1, max_refill) / interval)
+    return max(0, min(num_l1, k))
+
+
+def select_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest scores, sorted by position (text order)."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    top = torch.topk(scores.float().cpu(), k).indices
+    return torch.sort(top).values
+
+
+@dataclass
+class Assembled:
+    """The refilled cache, ready to serve as a KV prefix (rotated at ``0..P-1``)."""
+
+    keys: torch.Tensor  # [L, H_kv, P, D], rotated
+    values: torch.Tensor  # [L, H_kv, P, D]
+    num_refilled: int  # raw tokens inserted (selected spans + pending)
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[2])
+
+
+def refill_layout(cache: BiLayerCache, selected: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where every cached token goes: ``(l2_index, l2_slots, l1_slots)``.
+
+    Entry ``j``'s span goes immediately before L1 entry ``j``; pending raw tokens (their L1 token lies in
+    the open chunk) go last, where they sit in the text. Slots are contiguous positions ``0..P-1``.
+    """
+    bounds = cache.span_bounds.numpy()
+    m = cache.num_l1
+    take = np.zeros(m, dtype=bool)
+    take[selected.numpy()] = True
+    lengths = np.where(take, np.diff(bounds), 0)
+    # Slot of L1 entry j = refilled tokens up to and including span j, plus the j L1 entries before it.
+    l1_slots = np.cumsum(lengths) + np.arange(m)
+    starts = l1_slots - lengths
+    l2_index = [np.arange(bounds[j], bounds[j + 1]) for j in np.nonzero(take)[0]]
+    l2_slots = [np.arange(starts[j], l1_slots[j]) for j in np.nonzero(take)[0]]
+    end = int(l1_slots[-1]) + 1 if m else 0
+    pending = np.arange(int(bounds[-1]), cache.num_l2)
+    l2_index.append(pending)
+    l2_slots.append(end + np.arange(len(pending)))
+    return np.concatenate(l2_index).astype(np.int64), np.concatenate(l2_slots).astype(np.int64), l1_slots.astype(np.int64)
+
+
+def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor) -> Assembled:
+    """Refill the selected spans next to their L1 entries and rotate everything at ``0..P-1``.
+
+    Only the selected L2 tokens travel from CPU to the device.
+    """
+    l2_index, l2_slots, l1_slots = refill_layout(cache, selected)
+    device = cache.l1_keys.device
+    layers, kv_heads, _, dim = cache.l1_keys.shape
+    total = len(l2_index) + len(l1_slots)
+    keys = cache.l1_keys.new_empty(layers, kv_heads, total, dim)
+    values = cache.l1_values.new_empty(layers, kv_heads, total, dim)
+    l1_slots_t = torch.as_tensor(l1_slots, device=device)
+    keys[:, :, l1_slots_t] = cache.l1_keys
+    values[:, :, l1_slots_t] = cache.l1_values
+    if len(l2_index):
+        index = torch.as_tensor(l2_index)
+        slots = torch.as_tensor(l2_slots, device=device)
+        keys[:, :, slots] = cache.l2_keys.index_select(2, index).to(device, keys.dtype)
+        values[:, :, slots] = cache.l2_values.index_select(2, index).to(device, values.dtype)
+    return Assembled(keys=rotate(model, keys, torch.arange(total)), values=values, num_refilled=len(l2_index))

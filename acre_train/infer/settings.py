@@ -1,0 +1,60 @@
+"""Inference settings: how a context is chunked (cache-defining) and how a question refills (per question)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# DESIGN.md §1/§2 defaults (official recipe): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
+DEFAULT_FIRST_CHUNK = 4096
+DEFAULT_STRIDE = 2048
+DEFAULT_INTERVAL = 16
+DEFAULT_WORKING_WINDOW = 32768
+DEFAULT_MAX_REFILL = 4096
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """What a built cache depends on (besides the model): part of the cache fingerprint."""
+
+    first_chunk: int = DEFAULT_FIRST_CHUNK
+    stride: int = DEFAULT_STRIDE
+    interval: int = DEFAULT_INTERVAL
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if int(getattr(self, f.name)) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RefillSettings:
+    """Per-question settings: working window ``W``, max refill length ``eta``, scoring layers, decoding.
+
+    ``scoring_layers``: layer indices whose query states score the L1 entries (negative counts from
+    the end; default: the last layer). Scores are averaged over these layers.
+    """
+
+    working_window: int = DEFAULT_WORKING_WINDOW
+    max_refill: int = DEFAULT_MAX_REFILL
+    scoring_layers: tuple[int, ...] = (-1,)
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = field(default=())  # extra stop tokens
+    stop_at_eos: bool = True  # stop at the model's/tokenizer's EOS and end-of-turn tokens
+
+    def __post_init__(self) -> None:
+        if self.working_window < 1 or self.max_refill < 0:
+            raise ValueError("working_window must be >= 1 and max_refill >= 0")
+        if not self.scoring_layers:
+            raise ValueError("scoring_layers must name at least one layer")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
+    def replace(self, **changes: Any) -> "RefillSettings":
+        return RefillSettings(**{**asdict(self), **changes})

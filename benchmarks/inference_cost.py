@@ -1,0 +1,221 @@
+"""What ACRE inference costs against full-context attention, on the same small model, on this machine.
+
+For every context size: cache-build time (ACRE: streaming chunks into the bi-layer cache; full:
+one prefill into a transformers KV cache), per-question latency with the cache reused (question
+prefill + greedy decoding; ACRE adds scoring and refilling), peak memory over the run (process
+RSS high-water mark, or the CUDA allocator's peak), and the KV bytes each keeps (ACRE: L1 on the
+device, L2 in CPU memory). Every (method, size) runs in its own process so peaks do not mix.
+
+    python benchmarks/inference_cost.py                       # 8K 16K 32K 64K, ~4-8 min on 2 CPU cores
+    python benchmarks/inference_cost.py --sizes 4096 8192 --no-full --json out.json
+
+The model is random (costs do not depend on weights): Qwen2-shaped, 2 layers, hidden 128, 2 query
+heads / 1 KV head, fp32. Settings default to the paper's: W0 4096, S 2048, l 16, W 32K, eta 4096.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 65536], help="context tokens")
+    p.add_argument("--questions", type=int, default=2, help="questions per built cache")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="builds per (method, size); the fastest build and the median question are reported "
+                        "(other processes on a shared machine make single timings noisy)")
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens decoded per question")
+    p.add_argument("--first-chunk", type=int, default=4096)
+    p.add_argument("--stride", type=int, default=2048)
+    p.add_argument("--interval", type=int, default=16)
+    p.add_argument("--working-window", type=int, default=32768)
+    p.add_argument("--max-refill", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per run (default: torch's); 1 is steadier on a machine shared with other jobs")
+    p.add_argument("--no-full", action="store_true", help="skip the full-context baseline")
+    p.add_argument("--json", default=None, help="also write all figures to this file")
+    p.add_argument("--_child", nargs=2, metavar=("METHOD", "SIZE"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -------------------------------------------------------------------------------------- child side
+
+def _model(args):
+    from acre_train.modeling import attach_acre
+    from acre_train.tiny import tiny_model
+
+    longest = max(args.sizes) + args.question_tokens + args.new_tokens + 64
+    model = tiny_model("qwen2", vocab_size=1024, eos_token_id=0, max_position_embeddings=longest,
+                       hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    return attach_acre(model).to(args.device).eval()  # the same weights serve both methods
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(5, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_acre(args, size: int) -> dict:
+    from acre_train.infer import AcreEngine, CacheSettings, RefillSettings
+
+    model = _model(args)
+    engine = AcreEngine(model, cache_settings=CacheSettings(args.first_chunk, args.stride, args.interval),
+                        refill=RefillSettings(working_window=args.working_window, max_refill=args.max_refill,
+                                              max_new_tokens=args.new_tokens, stop_at_eos=False))
+    engine.answer(engine.build(_tokens(args.first_chunk + 100, 0)), _tokens(8, 1))  # warm-up
+    base = _start_peak(args.device)
+    builds, latencies, answers = [], [], []
+    for _ in range(args.repeats):
+        cache = None  # free the previous cache before building the next one
+        tic = time.perf_counter()
+        cache = engine.build(_tokens(size, 2), progress=False)
+        builds.append(time.perf_counter() - tic)
+        engine.answer(cache, _tokens(args.question_tokens, 9))  # untimed: first-call costs (allocator, code paths)
+        for q in range(args.questions):
+            tic = time.perf_counter()
+            answers.append(engine.answer(cache, _tokens(args.question_tokens, 10 + q)))
+            latencies.append(time.perf_counter() - tic)
+    sizes = cache.nbytes()
+    a = answers[-1]
+    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": _peak(args.device) - base,
+            "device_kv_mib": sizes["l1"] / 2**20, "cpu_kv_mib": sizes["l2"] / 2**20,
+            "working_cache_mib": _kv_mib(model, a.cache_length), "num_l1": cache.num_l1, "k": a.k,
+            "cache_length": a.cache_length, **{k: v for k, v in a.timings.items()}}
+
+
+def run_full(args, size: int) -> dict:
+    import torch
+
+    model = _model(args)
+    device = args.device
+
+    def ask(cache, question: list[int]) -> None:
+        ids = torch.tensor([question], device=device)
+        for _ in range(args.new_tokens):
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            ids = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    with torch.no_grad():
+        warm = model(torch.tensor([_tokens(512, 0)], device=device), use_cache=True, logits_to_keep=1).past_key_values
+        ask(warm, _tokens(8, 1))
+        del warm
+        base = _start_peak(device)
+        builds, latencies = [], []
+        for _ in range(args.repeats):
+            cache = None  # free the previous cache before building the next one
+            tic = time.perf_counter()
+            cache = model(torch.tensor([_tokens(size, 2)], device=device), use_cache=True, logits_to_keep=1).past_key_values
+            builds.append(time.perf_counter() - tic)
+            for q in range(-1, args.questions):  # q = -1: untimed first question, as for ACRE
+                tic = time.perf_counter()
+                ask(cache, _tokens(args.question_tokens, 10 + q))
+                if q >= 0:
+                    latencies.append(time.perf_counter() - tic)
+                cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
+    kv = _kv_mib(model, size)
+    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": _peak(device) - base,
+            "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size}
+
+
+def _kv_mib(model, tokens: int) -> float:
+    cfg = model.config
+    head_dim = model.model.layers[0].self_attn.head_dim
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * tokens * 4 / 2**20
+
+
+def _start_peak(device: str) -> float:
+    from acre_train.infer.memory import peak_memory_mib, reset_peak
+
+    reset_peak(device)
+    return peak_memory_mib(device)
+
+
+def _peak(device: str) -> float:
+    from acre_train.infer.memory import peak_memory_mib
+
+    return peak_memory_mib(device)
+
+
+# ------------------------------------------------------------------------------------- parent side
+
+def measure(args, method: str, size: int) -> dict:
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--_child", method, str(size)]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._child:
+        import torch
+
+        torch.manual_seed(0)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        method, size = args._child[0], int(args._child[1])
+        result = run_acre(args, size) if method == "acre" else run_full(args, size)
+        print(json.dumps(result))
+        return 0
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"model: qwen2-shaped, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
+          f"{args.device}; torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {os.getloadavg()[0]:.1f}")
+    print(f"ACRE: W0 {args.first_chunk}, S {args.stride}, l {args.interval}, W {args.working_window}, "
+          f"eta {args.max_refill}; {args.questions} questions of {args.question_tokens} tokens, "
+          f"{args.new_tokens} new tokens each; fastest of {args.repeats} builds, median question\n")
+    rows = []
+    for size in args.sizes:
+        acre = measure(args, "acre", size)
+        full = {"error": "skipped"} if args.no_full else measure(args, "full", size)
+        rows.append({"size": size, "acre": acre, "full": full})
+        _print_row(size, acre, full)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "_child"},
+                                               "rows": rows}, indent=2))
+    return 0
+
+
+def _print_row(size: int, acre: dict, full: dict) -> None:
+    def ratio(key: str) -> str:
+        if "error" in acre or "error" in full or not acre.get(key):
+            return "  n/a"
+        return f"{full[key] / acre[key]:5.2f}x"
+
+    print(f"context {size:>6} tokens")
+    for name, r in (("ACRE", acre), ("full", full)):
+        if "error" in r:
+            print(f"  {name:<5} {r['error']}")
+            continue
+        extra = f", {r['num_l1']} L1 entries, k={r['k']}, refilled cache {r['cache_length']}" if name == "ACRE" else ""
+        print(f"  {name:<5} build {r['build_s']:7.2f}s | per question {r['question_s']:6.3f}s | peak +{r['peak_mib']:7.1f} MiB"
+              f" | KV on device {r['device_kv_mib']:6.1f} MiB, in CPU memory {r['cpu_kv_mib']:6.1f} MiB{extra}")
+    print(f"  full / ACRE: build {ratio('build_s')}, per question {ratio('question_s')}, peak memory {ratio('peak_mib')}, "
+          f"device KV {ratio('device_kv_mib')}, attended cache {ratio('working_cache_mib')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Export -> reload gives the trained model's logits (fp32, 1e-5): full and adapter-only forms,
+in-process, through ``trust_remote_code`` in a process that cannot import acre-train, and from real
+DeepSpeed ZeRO-1 / ZeRO-2 training runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from acre_train.cli import main as cli_main
+from acre_train.export import NotAnAcreExport, check_export_dir, export_model, load_export
+from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
+from acre_train.modeling.batch import pad_batch
+from acre_train.modeling.hf import AcreForCausalLM
+from acre_train.tiny import tiny_model
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tiny models run many small ops: with 2 threads on a busy 2-core machine OpenMP waits
+    dominate (measured 150x slower), so the module runs single-threaded; results do not change."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+REPO = Path(__file__).resolve().parents[1]
+IDS = list(range(3, 60)) + list(range(100, 140))
+
+
+def _plan():
+    return interleave(IDS, first_chunk=32, stride=16, intervals=[4, 8, 4, 8, 4, 8])
+
+
+def _logits(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ACRE logits over an interleaved multi-chunk plan, plain base-path logits)."""
+    with torch.no_grad():
+        acre = acre_forward(model, **pad_batch([_plan().as_dict()]), return_logits=True).logits
+        plain = model(torch.tensor([IDS[:40]])).logits
+    return acre, plain
+
+
+def _trained(base_dir: Path | None = None):
+    """A tiny ACRE model whose L1 weights moved away from the base (as training would)."""
+    base = tiny_model("qwen2", vocab_size=1024, eos_token_id=0)
+    if base_dir is not None:
+        base.save_pretrained(base_dir)
+    model = attach_acre(base)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for _, p in acre_parameters(model):
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _tokenizer():
+    return pytest.importorskip("acre_train.data.tiny_tokenizer").tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    model = _trained(root / "base")
+    tok = _tokenizer()
+    inference = {"first_chunk": 32, "stride": 16, "interval": 4, "working_window": 64}
+    full = export_model(model, root / "full", tokenizer=tok, inference=inference)
+    adapter = export_model(model, root / "adapter", tokenizer=tok, adapter_only=True, base_model="../base",
+                           inference=inference)
+    return model, full, adapter, root
+
+
+def test_full_and_adapter_only_exports_reload_with_the_same_logits(exports):
+    model, full, adapter, _ = exports
+    expected = _logits(model)
+    assert (adapter / "acre_adapter.safetensors").stat().st_size < (full / "model.safetensors").stat().st_size / 3
+    for folder in (full, adapter):
+        loaded, tokenizer, data = load_export(folder)
+        assert data["acre"]["inference"]["interval"] == 4 and tokenizer is not None
+        for got, want in zip(_logits(loaded), expected):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_auto_class_loads_offline_in_a_process_without_acre_train(exports, tmp_path):
+    model, full, adapter, _ = exports
+    acre, plain = _logits(model)
+    script = tmp_path / "load.py"
+    script.write_text(f"""
+import importlib, importlib.util, json, os, sys
+# Make acre-train unimportable: drop every sys.path entry holding the package (the repo) and the
+# editable-install finder; site-packages (torch, transformers) stay.
+sys.path = [p for p in sys.path if p not in ('', '.') and not os.path.isdir(os.path.join(p, 'acre_train'))]
+sys.meta_path = [f for f in sys.meta_path if 'acre_train' not in getattr(f, '__module__', '') + repr(f)]
+assert importlib.util.find_spec('acre_train') is None, 'acre_train is still importable'
+import torch
+from transformers import AutoModelForCausalLM
+out = {{}}
+for folder in sys.argv[1:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    package = type(model).__module__.rsplit('.', 1)[0]
+    adapter = importlib.import_module(package + '.adapter')
+    interleave = importlib.import_module(package + '.interleave').interleave
+    plan = interleave({IDS!r}, first_chunk=32, stride=16, intervals=[4, 8, 4, 8, 4, 8])
+    t = lambda a: torch.as_tensor(a)[None]
+    with torch.no_grad():
+        acre = adapter.acre_forward(model, input_ids=t(plan.input_ids), is_l1=t(plan.is_l1), chunk_ids=t(plan.chunk_ids),
+                                    positions=t(plan.positions), memory_positions=t(plan.memory_positions),
+                                    return_logits=True).logits
+        plain = model(torch.tensor([{IDS[:40]!r}])).logits
+    out[folder] = [acre.tolist(), plain.tolist(), type(model).__module__]
+print('RESULT' + json.dumps(out))
+""")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    proc = subprocess.run([sys.executable, "-I", str(script), str(full), str(adapter)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for folder in (full, adapter):
+        got_acre, got_plain, module = result[str(folder)]
+        assert module.startswith("transformers_modules.")
+        torch.testing.assert_close(torch.tensor(got_acre), acre, atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(got_plain), plain, atol=ATOL, rtol=0)
+
+
+def test_generate_and_chat_commands_answer_from_an_export(exports, tmp_path, capsys):
+    _, full, _, _ = exports
+    context = "The lighthouse keeper Ada painted the tower blue every spring. " * 6
+    rows = [{"id": "q1", "context": context, "question": "Who painted the tower?"},
+            {"id": "q2", "context": context, "question": "Which colour?"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli_main(["generate", str(full), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / "out.jsonl"), "--max-new-tokens", "3"]) == 0
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in out] == ["q1", "q2"] and [r["cache_reused"] for r in out] == [False, True]
+    for key in ("answer", "build_s", "score_s", "refill_s", "prefill_s", "decode_s", "peak_memory_mib", "k"):
+        assert key in out[0]
+
+    from acre_train.infer.cli import run_chat
+    from acre_train.cli import build_parser_for
+
+    (tmp_path / "ctx.txt").write_text(context)
+    argv = ["chat", str(full), "--context", str(tmp_path / "ctx.txt"), "--max-new-tokens", "2",
+            "--save-cache", str(tmp_path / "c.safetensors")]
+    args = build_parser_for(argv).parse_args(argv)
+    capsys.readouterr()  # drop what generate printed
+    assert run_chat(args, stdin=io.StringIO("Who?\nWhat?\n\n")) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("refilled") == 2 and (tmp_path / "c.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+def test_folders_that_are_not_acre_exports_are_clear_errors(exports, tmp_path, capsys):
+    _, _, _, root = exports
+    with pytest.raises(NotAnAcreExport, match="is not a directory"):
+        check_export_dir(tmp_path / "missing")
+    with pytest.raises(NotAnAcreExport, match="has no config.json"):
+        check_export_dir(tmp_path)
+    with pytest.raises(NotAnAcreExport, match="model_type 'qwen2', expected 'acre'"):
+        load_export(root / "base")
+    assert cli_main(["generate", str(root / "base"), "--input", "x.jsonl", "--output", "y.jsonl"]) == 2
+    assert "is not an ACRE export" in capsys.readouterr().err and not Path("y.jsonl").exists()
+    assert cli_main(["export", str(tmp_path / "no-run"), str(tmp_path / "out")]) == 2
+    assert "neither a checkpoint directory nor a run directory" in capsys.readouterr().err
+
+
+def test_export_refuses_bad_requests(exports, tmp_path):
+    model, full, _, _ = exports
+    with pytest.raises(ValueError, match="needs the base model"):
+        export_model(model, tmp_path / "a", adapter_only=True)
+    with pytest.raises(ValueError, match="without L1 parameters"):
+        export_model(tiny_model("qwen2"), tmp_path / "b")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_model(model, tmp_path / "c")
+    with pytest.raises(FileExistsError, match="not an ACRE export"):
+        export_model(model, tmp_path / "c", overwrite=True)
+
+
+# ------------------------------------------------------------------------------ real ZeRO-1/2 runs
+
+def _deepspeed_run(out_root: Path, stage: int, ranks: int) -> Path:
+    """Train the tiny stage-1 recipe for 2 steps with DeepSpeed ZeRO-``stage`` on ``ranks`` CPU ranks."""
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    if not Path(launcher).exists():
+        pytest.skip("the deepspeed launcher is not installed")
+    name = f"zero{stage}"
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(29600 + stage), "--module", "acre_train.train",
+           "recipes/tiny_stage1.yaml", f"train.deepspeed=recipes/deepspeed/zero{stage}.json",
+           f"output_root={out_root}", f"run_name={name}", "train.max_steps=2", "checkpoint.every_steps=2"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return out_root / name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,ranks", [(1, 1), (2, 2)])
+def test_export_of_a_zero_run_reproduces_the_trained_model(stage, ranks, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = _deepspeed_run(tmp_path, stage, ranks)
+    checkpoint = run / "checkpoint-2"
+    assert (checkpoint / "ds").is_dir()
+    # The trained model as the trainer left it: its base + the live L1 weights it saved (rank 0).
+    trained = attach_acre(AutoModelForCausalLM.from_pretrained(run / "base_model"))
+    live = load_file(str(checkpoint / "trainable.safetensors"))
+    with torch.no_grad():
+        for name, p in acre_parameters(trained):
+            p.copy_(live[name])
+    expected = _logits(trained.eval())
+    assert not torch.equal(live["model.acre_embed_tokens.weight"],
+                           trained.model.embed_tokens.weight[trained.config.eos_token_id][None])  # it trained
+
+    for extra in ([], ["--adapter-only"]):
+        out = tmp_path / ("export" + "".join(extra))
+        assert cli_main(["export", str(run), str(out), *extra]) == 0
+        data = check_export_dir(out)
+        assert data["acre"]["source"]["weights_from"] == "deepspeed-zero"
+        assert data["acre"]["inference"] == {"first_chunk": 64, "stride": 32, "interval": 16}
+        loaded = AcreForCausalLM.from_pretrained(out)
+        for got, want in zip(_logits(loaded), expected):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_consolidated_names_are_matched_onto_l1_parameters():
+    from acre_train.export.checkpoint import match_acre_names
+
+    model = _trained()
+    state = {"model." + k: v for k, v in ((n, p.detach()) for n, p in acre_parameters(model))}
+    assert set(match_acre_names(state, model)) == {n for n, _ in acre_parameters(model)}
+    with pytest.raises(ValueError, match="non-L1 weight"):
+        match_acre_names({"model.lm_head.weight": torch.zeros(1)}, model)

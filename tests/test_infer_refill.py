@@ -1,0 +1,335 @@
+"""Inference (DESIGN.md §5) against plainly written references: refilling, scores, selection, caches."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from acre_train.infer import (
+    AcreEngine,
+    BiLayerCache,
+    CacheMismatchError,
+    CacheSettings,
+    ContextTooLongError,
+    RefillSettings,
+    assemble,
+    num_selected,
+    select_entries,
+)
+from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
+from acre_train.modeling.batch import pad_batch
+from acre_train.tiny import tiny_model
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tiny models run many small ops: with 2 threads on a busy 2-core machine OpenMP waits
+    dominate (measured 150x slower), so the module runs single-threaded; results do not change."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+BIG = RefillSettings(working_window=10**6, max_refill=10**6, max_new_tokens=4)
+
+
+# ----------------------------------------------------------------------------- helpers / references
+
+def _model(arch: str = "qwen2", seed: int = 0, **kw):
+    model = attach_acre(tiny_model(arch, seed=seed, **kw))
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():  # L1 weights must differ from the base so a mix-up cannot pass
+        for _, p in acre_parameters(model):
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _rope(x: torch.Tensor, positions, theta: float) -> torch.Tensor:
+    """RoPE from the formula (rotate-half convention), ``x [..., P, D]`` at ``positions [P]``."""
+    dim = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angle = torch.as_tensor(positions, dtype=torch.float64)[:, None] * inv[None]
+    angle = torch.cat([angle, angle], dim=-1).to(x.dtype)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * torch.cos(angle) + rotated * torch.sin(angle)
+
+
+def _theta(model) -> float:
+    return model.config.rope_parameters["rope_theta"]
+
+
+def _full_run(model, plan, capture=None):
+    """One plain ``acre_forward`` over a whole plan (the training-time computation)."""
+    with torch.no_grad():
+        return acre_forward(model, **pad_batch([plan.as_dict()]), return_logits=True, capture=capture)
+
+
+def _last_raw(plan) -> int:
+    return int(np.nonzero(~plan.is_l1)[0][-1])
+
+
+def _captured_kv(model, plan):
+    """Pre-RoPE keys and values of every token of ``plan``, per layer, from one full run."""
+    kv = {}
+    _full_run(model, plan, capture=lambda layer, q, k, v: kv.__setitem__(layer, (k[0], v[0])))
+    return kv
+
+
+def _expected_order(plan, finished: int, selected: set[int]) -> list[int]:
+    """Plan indices of the refilled cache, written out plainly: span j (if selected), then L1 j; pending last."""
+    order, span = [], []
+    j = 0
+    for i in range(finished):
+        if plan.is_l1[i]:
+            if j in selected:
+                order.extend(span)
+            order.append(i)
+            span, j = [], j + 1
+        else:
+            span.append(i)
+    return order + span  # the raw tokens after the last L1 token of the finished chunks
+
+
+# ----------------------------------------------------------------------------- refilling
+
+@pytest.mark.parametrize("arch,n", [("qwen2", 27), ("qwen2", 32), ("llama", 30)])
+def test_one_chunk_context_refill_all_equals_single_chunk_forward(arch, n):
+    """k = m over a one-chunk context (open: n < W0; finished: n == W0) is the single-chunk forward."""
+    model = _model(arch)
+    settings = CacheSettings(first_chunk=32 if n != 30 else 30, stride=16, interval=4)
+    engine = AcreEngine(model, cache_settings=settings, refill=BIG)
+    ctx, q = _ids(n, 1), _ids(9, 2)
+    cache = engine.build(ctx)
+    answer = engine.answer(cache, q)
+    assert answer.k == cache.num_l1 and len(answer.selected) == cache.num_l1
+    if n == settings.first_chunk:
+        assert cache.num_l1 > 0 and not cache.tail_ids
+    plan = interleave(ctx + q, first_chunk=1000, stride=1000, intervals=4)
+    ref = _full_run(model, plan).logits[0, _last_raw(plan)]
+    torch.testing.assert_close(answer.first_logits, ref, atol=ATOL, rtol=0)
+    # Greedy decoding (with L1 tokens inserted every l generated tokens) = the same single chunk, grown.
+    tokens = []
+    for _ in range(len(answer.token_ids)):
+        plan = interleave(ctx + q + tokens, first_chunk=1000, stride=1000, intervals=4)
+        tokens.append(int(_full_run(model, plan).logits[0, _last_raw(plan)].argmax()))
+    assert answer.token_ids == tokens
+
+
+@pytest.mark.parametrize("selected", ["all", "some", "none"])
+def test_refill_rebuilds_the_nested_cache_in_order(selected):
+    """Spans go right before their L1 entry, pending tokens last, positions contiguous from 0."""
+    model = _model("qwen2")
+    # 16 and 11 are not multiples of 5: spans cross chunk boundaries and 3 tokens stay pending.
+    settings = CacheSettings(first_chunk=16, stride=11, interval=5)
+    ctx = _ids(47, 3)
+    cache = AcreEngine(model, cache_settings=settings).build(ctx)
+    plan = interleave(ctx, first_chunk=16, stride=11, intervals=5)
+    finished = int((plan.chunk_ids < 3).sum())  # chunks [0,16) [16,27) [27,38); [38,47) is open
+    assert cache.tail_ids == ctx[38:] and cache.num_pending == 3 and cache.num_l1 == 7
+    m = cache.num_l1
+    chosen = {"all": set(range(m)), "some": {1, 4, m - 1}, "none": set()}[selected]
+    refilled = assemble(model, cache, torch.tensor(sorted(chosen), dtype=torch.long))
+    order = _expected_order(plan, finished, chosen)
+    kv = _captured_kv(model, plan)
+    for layer, (key, value) in kv.items():
+        expected_k = _rope(key[:, order], range(len(order)), _theta(model))
+        torch.testing.assert_close(refilled.keys[layer], expected_k, atol=ATOL, rtol=0)
+        torch.testing.assert_close(refilled.values[layer], value[:, order], atol=ATOL, rtol=0)
+
+
+def test_no_refill_equals_the_plain_acre_plan():
+    """k = 0: the question continues the open chunk over the L1 cache, exactly the training plan."""
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=8, interval=4)
+    engine = AcreEngine(model, cache_settings=settings, refill=BIG.replace(max_refill=0))
+    ctx, q = _ids(44, 4), _ids(3, 5)  # open chunk [40, 44) + 3 question tokens stay one chunk
+    answer = engine.answer(engine.build(ctx), q)
+    assert answer.k == 0 and answer.selected == []
+    plan = interleave(ctx + q, first_chunk=16, stride=8, intervals=4)
+    ref = _full_run(model, plan).logits[0, _last_raw(plan)]
+    torch.testing.assert_close(answer.first_logits, ref, atol=ATOL, rtol=0)
+
+
+def test_attention_backends_give_the_same_answer():
+    """Short queries over a long cache take SDPA's masked form, building takes its causal form; every
+    backend must agree."""
+    model = _model("qwen2")
+    ctx, q = _ids(146, 22), _ids(3, 23)  # open chunk: 2 tail + 3 question tokens (+1 L1) over a 60-token cache
+    answers = []
+    for backend in (None, "sdpa", "eager"):
+        engine = AcreEngine(model, cache_settings=CacheSettings(16, 8, 4), backend=backend,
+                            refill=RefillSettings(working_window=60, max_new_tokens=4))
+        answers.append(engine.answer(engine.build(ctx), q))
+    for other in answers[1:]:
+        torch.testing.assert_close(other.first_logits, answers[0].first_logits, atol=ATOL, rtol=0)
+        assert other.token_ids == answers[0].token_ids and other.selected == answers[0].selected
+
+
+# ----------------------------------------------------------------------------- scoring / selection
+
+@pytest.mark.parametrize("layers", [(-1,), (0, 1)])
+def test_scores_equal_a_brute_force_computation(layers):
+    model = _model("llama")
+    settings = CacheSettings(first_chunk=16, stride=8, interval=4)
+    engine = AcreEngine(model, cache_settings=settings)
+    ctx, q = _ids(42, 6), _ids(6, 7)
+    cache = engine.build(ctx)
+    q_plan = interleave(cache.tail_ids + q, first_chunk=100, stride=100, intervals=4, carry_in=cache.carry)
+    got = engine.scores(cache, q_plan, num_tail=len(cache.tail_ids), layers=layers)
+
+    # Brute force over the plain plan of context + question: question queries vs L1 keys at j.
+    plan = interleave(ctx + q, first_chunk=16, stride=8, intervals=4)
+    captured = {}
+    _full_run(model, plan, capture=lambda layer, qr, k, v: captured.__setitem__(layer, (qr[0], k[0])))
+    finished_l1 = [i for i in range(len(plan)) if plan.is_l1[i] and plan.chunk_ids[i] < 4]
+    question_rows = [i for i in range(len(plan)) if plan.raw_index[i] >= len(ctx)]
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    total = [0.0] * len(finished_l1)
+    for layer in [x % 2 for x in layers]:
+        query, key = captured[layer]
+        keys = _rope(key[:, finished_l1], range(len(finished_l1)), _theta(model))
+        for h in range(heads):
+            for row in question_rows:
+                logits = [float(query[h, row] @ keys[h // (heads // kv_heads), j]) / math.sqrt(query.shape[-1])
+                          for j in range(len(finished_l1))]
+                top = max(logits)
+                exps = [math.exp(x - top) for x in logits]
+                for j, e in enumerate(exps):
+                    total[j] += e / sum(exps) / (heads * len(question_rows) * len(layers))
+    assert cache.num_l1 == len(finished_l1)
+    torch.testing.assert_close(got, torch.tensor(total), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("m,l,W,eta,k", [
+    (0, 4, 100, 100, 0),     # m = 0: nothing to select
+    (10, 16, 1000, 8, 0),    # eta < l: not one span fits
+    (10, 4, 5, 4096, 0),     # W < m: the L1 cache alone overflows the window
+    (10, 4, 30, 4096, 5),    # floor((30 - 10) / 4)
+    (10, 4, 31, 4096, 5),    # floor((31 - 10) / 4) = 5
+    (10, 4, 10_000, 12, 3),  # eta binds: floor(12 / 4)
+    (10, 4, 10_000, 4096, 10),  # clamped to m
+])
+def test_k_follows_the_formula_at_its_edges(m, l, W, eta, k):
+    assert num_selected(m, l, W, eta) == k
+
+
+def test_selection_takes_top_scores_then_sorts_by_position():
+    scores = torch.tensor([0.1, 0.5, 0.2, 0.9, 0.3])
+    assert select_entries(scores, 2).tolist() == [1, 3]
+    assert select_entries(scores, 0).tolist() == []
+
+
+def test_answer_refills_the_top_scored_spans():
+    model = _model("qwen2")
+    engine = AcreEngine(model, cache_settings=CacheSettings(16, 8, 4),
+                        refill=RefillSettings(working_window=20, max_refill=10**6, max_new_tokens=1))
+    cache = engine.build(_ids(48, 8))
+    answer = engine.answer(cache, _ids(5, 9))
+    assert answer.k == (20 - cache.num_l1) // 4 and 0 < answer.k < cache.num_l1
+    expected = torch.sort(torch.topk(answer.scores, answer.k).indices).values.tolist()
+    assert answer.selected == expected
+    assert answer.cache_length == cache.num_l1 + 4 * answer.k
+
+
+# ----------------------------------------------------------------------------- cache reuse / save / load
+
+def _small_engine(model, **refill):
+    base = dict(working_window=16, max_refill=10**6, max_new_tokens=5)
+    return AcreEngine(model, cache_settings=CacheSettings(16, 8, 4), refill=RefillSettings(**{**base, **refill}))
+
+
+def test_two_questions_on_one_cache_equal_two_separate_runs():
+    model = _model("qwen2")
+    engine = _small_engine(model)
+    ctx, q1, q2 = _ids(52, 10), _ids(6, 11), _ids(8, 12)
+    shared = engine.build(ctx)
+    first, second = engine.answer(shared, q1), engine.answer(shared, q2)
+    alone1 = engine.answer(engine.build(ctx), q1)
+    alone2 = engine.answer(engine.build(ctx), q2)
+    assert first.selected != second.selected or first.token_ids != second.token_ids  # the test can tell them apart
+    for a, b in ((first, alone1), (second, alone2)):
+        torch.testing.assert_close(a.first_logits, b.first_logits, atol=ATOL, rtol=0)
+        assert a.token_ids == b.token_ids and a.selected == b.selected
+
+
+def test_saved_and_reloaded_cache_gives_identical_answers(tmp_path):
+    model = _model("qwen2")
+    engine = _small_engine(model)
+    ctx, q = _ids(50, 13), _ids(7, 14)
+    cache = engine.build(ctx)
+    assert cache.l2_keys.device.type == "cpu" and cache.l2_values.device.type == "cpu"
+    assert cache.l1_keys.device == next(model.parameters()).device
+    before = engine.answer(cache, q)
+    loaded = engine.load_cache(cache.save(tmp_path / "ctx.safetensors"))
+    assert loaded.l2_keys.device.type == "cpu" and loaded.l2_values.device.type == "cpu"
+    after = engine.answer(loaded, q)
+    assert torch.equal(before.first_logits, after.first_logits) and before.token_ids == after.token_ids
+    assert before.selected == after.selected
+
+
+def test_sampling_is_reproducible_by_seed():
+    model = _model("qwen2")
+    engine = _small_engine(model, temperature=1.0, top_p=0.9, max_new_tokens=6)
+    cache = engine.build(_ids(40, 15))
+    a, b = engine.answer(cache, _ids(5, 16), seed=3), engine.answer(cache, _ids(5, 16), seed=3)
+    assert a.token_ids == b.token_ids
+
+
+def test_text_in_text_out_with_the_tiny_tokenizer():
+    tiny_tokenizer = pytest.importorskip("acre_train.data.tiny_tokenizer").tiny_tokenizer
+    tok = tiny_tokenizer()
+    model = _model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    engine = AcreEngine(model, tok, cache_settings=CacheSettings(32, 16, 4),
+                        refill=RefillSettings(working_window=100, max_new_tokens=3))
+    cache = engine.build("The quick brown fox jumps over the lazy dog. " * 8)
+    answer = engine.answer(cache, "What does the fox do?")
+    assert isinstance(answer.text, str) and len(answer.token_ids) <= 3
+    rendered = tok.decode(engine.prompt.context_ids("CTX") + engine.prompt.question_ids("Q?"))
+    assert rendered.startswith("<|im_start|>user\nCTX") and rendered.endswith("<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_a_cache_from_another_model_or_other_settings_is_an_error(tmp_path):
+    model = _model("qwen2")
+    path = _small_engine(model).build(_ids(40, 17)).save(tmp_path / "c.safetensors")
+    with pytest.raises(CacheMismatchError, match="built by another model"):
+        BiLayerCache.load(path, _model("qwen2", seed=5), CacheSettings(16, 8, 4))
+    with pytest.raises(CacheMismatchError, match="built by another model"):
+        BiLayerCache.load(path, _model("qwen2").to(torch.float64), CacheSettings(16, 8, 4))
+    with pytest.raises(CacheMismatchError, match="built with settings"):
+        BiLayerCache.load(path, model, CacheSettings(16, 8, 8))
+    in_memory = _small_engine(model).build(_ids(40, 17))
+    with pytest.raises(CacheMismatchError, match="built by another model"):
+        _small_engine(_model("qwen2", seed=5)).answer(in_memory, _ids(4, 1))
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(other))
+    with pytest.raises(CacheMismatchError, match="not an ACRE bi-layer cache"):
+        BiLayerCache.load(other, model, CacheSettings(16, 8, 4))
+
+
+def test_contexts_beyond_the_settings_are_clear_errors():
+    model = _model("qwen2", max_position_embeddings=64)
+    engine = AcreEngine(model, cache_settings=CacheSettings(16, 8, 4), refill=RefillSettings(working_window=8))
+    with pytest.raises(ContextTooLongError, match="more than the working window W = 8"):
+        engine.build(_ids(80, 18))  # 18 L1 entries > W
+    wide = AcreEngine(model, cache_settings=CacheSettings(80, 80, 100))
+    with pytest.raises(ContextTooLongError, match="max_position_embeddings 64"):
+        wide.build(_ids(70, 19))
+    ok = AcreEngine(model, cache_settings=CacheSettings(16, 8, 4),
+                    refill=RefillSettings(working_window=64, max_new_tokens=40))
+    cache = ok.build(_ids(40, 20))
+    with pytest.raises(ContextTooLongError, match="the model has 64"):
+        ok.answer(cache, _ids(10, 21))
+    with pytest.raises(ValueError, match="question is empty"):
+        ok.answer(cache, [])
