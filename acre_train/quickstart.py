@@ -1,71 +1,100 @@
-"""``acre-train quickstart``: ACRE end to end on a tiny built-in model and text, in seconds.
+"""``acre-train quickstart``: the whole ACRE path on the embedded default, in a few minutes on a CPU.
 
-It builds a tiny Qwen2-architecture model (random weights, fp32), tokenizes a long built-in text
-(the Python Language Reference that ships with CPython), interleaves L1 tokens, runs one ACRE
-forward/backward/optimizer step and prints what it did and what it cost.
+1. prepare the built-in data (Python Language Reference text, a SQuAD sample) and train stage 1
+   (``recipes/tiny_stage1.yaml``) on a tiny Qwen2-architecture model;
+2. train stage 2 (``recipes/tiny_stage2.yaml``) from the stage-1 L1 weights;
+3. export the result as an inference-ready Hugging Face folder;
+4. build a bi-layer cache for a long built-in text and answer a question with refilling.
+
+Each step prints what it did and what it cost. The base model has random weights (nothing can be
+downloaded here), so the answer itself is noise: the quickstart shows the mechanics and their cost.
+Everything lands in ``--output`` (default ``checkpoints/quickstart``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=8192, help="raw tokens of built-in text to use (default 8192)")
-    parser.add_argument("--first-chunk", type=int, default=2048, help="W0: raw tokens in chunk 0 (default 2048)")
-    parser.add_argument("--stride", type=int, default=1024, help="S: raw tokens in each later chunk (default 1024)")
-    parser.add_argument("--intervals", default="8,16,32,64,128", help="L1 interval choices, one drawn per chunk")
-    parser.add_argument("--kernel", default=None, choices=["chunked", "dense", "flex"], help="attention kernel (default: chunked on CPU)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="checkpoints/quickstart", help="where runs, data and the export go")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per training stage (default 20)")
+    parser.add_argument("--context-paragraphs", type=int, default=40,
+                        help="built-in SQuAD paragraphs joined into the long context (default 40)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from .data.builtin import builtin_text
-    from .data.tiny_tokenizer import tiny_tokenizer
-    from .modeling import acre_forward, attach_acre, count_parameters, interleave, num_chunks, sample_intervals
-    from .modeling.batch import pad_batch
-    from .tiny import tiny_model
-
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    tokenizer = tiny_tokenizer()
-    text = "\n\n".join(record["text"] for record in builtin_text())
-    raw = tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens]
-    t_tok = time.perf_counter() - t0
-
-    choices = [int(c) for c in args.intervals.split(",")]
-    n_chunks = num_chunks(len(raw), args.first_chunk, args.stride)
-    intervals = sample_intervals(n_chunks, choices, seed=(args.seed, 0))
-    plan = interleave(raw, first_chunk=args.first_chunk, stride=args.stride, intervals=intervals,
-                      l1_token_id=tokenizer.eos_token_id)
-
-    model = attach_acre(tiny_model("qwen2", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, seed=args.seed))
-    model.train()
-    counts = count_parameters(model)
-    batch = pad_batch([plan.as_dict()], pad_token_id=tokenizer.pad_token_id)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-
-    t1 = time.perf_counter()
-    out = acre_forward(model, **batch, kernel=args.kernel)
-    t_fwd = time.perf_counter() - t1
-    out.loss.backward()
-    optimizer.step()
-    t_step = time.perf_counter() - t1
-
-    _print_report(plan, intervals, counts, out, t_tok, t_fwd, t_step, args)
+    out = Path(args.output)
+    if not (RECIPES / "tiny_stage1.yaml").is_file():
+        raise SystemExit(f"the quickstart needs the repository's recipes/ folder (looked in {RECIPES}); "
+                         "install acre-train from a clone with 'pip install -e .'")
+    timings: dict[str, float] = {}
+    stage1 = _timed(timings, "stage 1", lambda: _train("tiny_stage1.yaml", out, "quickstart-stage1", args.steps))
+    stage2 = _timed(timings, "stage 2", lambda: _train("tiny_stage2.yaml", out, "quickstart-stage2", args.steps,
+                                                        f"model.init_from={stage1}"))
+    export_dir = out / "export"
+    _timed(timings, "export", lambda: _export(stage2, export_dir))
+    _timed(timings, "answer", lambda: _answer(export_dir, args.context_paragraphs))
+    print("\n== done: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) + f" (total {sum(timings.values()):.1f}s)")
+    print(f"   export: {export_dir}   try: acre-train chat {export_dir} --context FILE")
     return 0
 
 
-def _print_report(plan, intervals, counts, out, t_tok, t_fwd, t_step, args) -> None:
-    print("acre-train quickstart: one ACRE training step on a tiny Qwen2 model (random weights, fp32)\n")
-    print(f"text              {plan.input_ids.size - plan.num_l1:,} raw tokens of the Python Language Reference")
-    print(f"interleave plan   W0={args.first_chunk}  S={args.stride}  {plan.num_chunks} chunks  "
-          f"{plan.num_l1:,} L1 tokens  -> {len(plan):,} tokens, highest RoPE position {plan.max_position:,}")
-    print(f"intervals         {', '.join(f'chunk {t}: {v}' for t, v in enumerate(intervals))}")
-    print("parameters        " + "  ".join(f"{k}={v:,}" for k, v in counts.items()))
-    print(f"loss              {out.loss.item():.4f} over {out.num_tokens:,} labelled raw tokens")
-    print(f"time              tokenize {t_tok:.2f}s  forward {t_fwd:.2f}s  forward+backward+step {t_step:.2f}s "
-          f"({out.num_tokens / t_step:,.0f} tokens/s)")
+def _timed(timings: dict[str, float], name: str, fn):
+    print(f"\n== {name} " + "=" * (70 - len(name)))
+    start = time.perf_counter()
+    result = fn()
+    timings[name] = time.perf_counter() - start
+    return result
+
+
+def _train(recipe_name: str, out: Path, run_name: str, steps: int, *extra: str) -> Path:
+    from .train import load_recipe, train, validate_recipe
+
+    overrides = [f"run_name={run_name}", f"output_root={out}", f"data.path={out}/data/{run_name}",
+                 f"train.max_steps={steps}", "checkpoint.every_steps=null", *extra]
+    recipe = validate_recipe(load_recipe(RECIPES / recipe_name, overrides))
+    result = train(recipe)
+    print(f"{run_name}: {result.steps} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
+          f"{result.tokens_per_s:,.0f} tokens/s, checkpoint {result.last_checkpoint}")
+    return result.run_dir
+
+
+def _export(run_dir: Path, export_dir: Path) -> None:
+    from .cli import main
+
+    if main(["export", str(run_dir), str(export_dir), "--overwrite"]) != 0:
+        raise SystemExit("export failed (see above)")
+
+
+def _answer(export_dir: Path, paragraphs: int) -> None:
+    from .data.builtin import builtin_qa
+    from .export.load import load_export, settings_from_export
+    from .infer import AcreEngine
+
+    model, tokenizer, data = load_export(export_dir)
+    cache_settings, refill = settings_from_export(data, {"max_new_tokens": 16})
+    engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
+    contexts, question, gold = _long_context(builtin_qa(), paragraphs)
+
+    start = time.perf_counter()
+    cache = engine.build("\n\n".join(contexts), progress=False)
+    build_s = time.perf_counter() - start
+    answer = engine.answer(cache, question)
+    print(f"context: {paragraphs} built-in SQuAD paragraphs; settings {cache_settings}")
+    print(f"cache:   {cache.summary()} (built in {build_s:.2f}s)")
+    print(f"question: {question}   (gold: {gold})")
+    print(f"answer:   {answer.text!r}")
+    print(f"refill:   {answer.describe()}")
+
+
+def _long_context(qa: dict, paragraphs: int) -> tuple[list[str], str, str]:
+    """The first ``paragraphs`` contexts of the built-in sample, and a question about the middle one."""
+    flat = [p for article in qa["data"] for p in article["paragraphs"]][:paragraphs]
+    middle = flat[len(flat) // 2]
+    qa_item = next(q for q in middle["qas"] if q.get("answers"))
+    return [p["context"] for p in flat], qa_item["question"], qa_item["answers"][0]["text"]

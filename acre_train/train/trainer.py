@@ -176,6 +176,24 @@ class Trainer:
                 save_base(load_base(self.recipe), base_dir, self.recipe)
         self.info.barrier()
 
+    def summary(self) -> str:
+        """What is about to run, in a few lines a person reads before the first step."""
+        from ..modeling import count_parameters
+
+        r, t = self.recipe, self.recipe.train
+        counts = count_parameters(self.model)
+        groups = "  ".join(f"{k}={v:,}" for k, v in counts.items() if k not in ("trainable", "frozen", "total"))
+        plan = self.manifest.get("plan") or {}
+        engine = f"DeepSpeed {Path(t.deepspeed).name}" if t.deepspeed else ("DDP" if self.info.distributed else "one process")
+        return "\n".join([
+            f"run {r.run_name}: stage {r.stage}, mode {r.mode}, base {r.model.source} -> {self.run_dir}",
+            f"data {r.data.path}: {len(self.dataset):,} samples; plan {plan}" if plan else
+            f"data {r.data.path}: {len(self.dataset):,} samples",
+            f"steps {self.total_steps} x global batch {self.global_batch} = micro {t.micro_batch_size} x accumulation "
+            f"{self.gas} x {self.info.world_size} rank(s), {engine}, lr {t.learning_rate:g}",
+            f"parameters: trainable {counts['trainable']:,} of {counts['total']:,}" + (f" ({groups})" if groups else ""),
+        ])
+
     # ----------------------------------------------------------------------------------- resume
 
     def resume(self) -> int:
@@ -220,6 +238,7 @@ class Trainer:
         self.tokens_seen = 0
         start = self.resume()
         r = self.recipe
+        self.log(self.summary())
         stop = min(self.total_steps, r.checkpoint.stop_after_step or self.total_steps)
         logger = StepLogger(self.run_dir, rank=self.info.rank, total_steps=self.total_steps, start_step=start,
                             tensorboard=r.logging.tensorboard, progress_bar=r.logging.progress_bar,
