@@ -13,7 +13,7 @@ import sys
 # verb -> (module, one-line help). Order is the order a newcomer meets them.
 VERBS: dict[str, tuple[str, str]] = {
     "env": ("acre_train.env_info", "print torch / transformers / deepspeed / CUDA facts for bug reports"),
-    "quickstart": ("acre_train.quickstart", "run ACRE on a tiny built-in model and text; print what it did"),
+    "quickstart": ("acre_train.quickstart", "the whole path on built-in data in a minute: data, stage 1, stage 2, export, a refilled answer"),
     "preprocess": ("acre_train.data.cli", "prepare stage-1 text spans or stage-2 QA/chat SFT data with L1 tokens"),
     "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
     "validate": ("acre_train.train.validate", "check a training recipe (keys, batch split, data, DeepSpeed) without training"),
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="acre-train",
         description="Train, export, run and evaluate ACRE bi-layer KV adapters for long-context LLMs.",
-        epilog="Run 'acre-train <verb> --help' for the options of one verb.",
+        epilog="New here? Run 'acre-train quickstart', then 'acre-train <verb> --help' for one verb's options.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="<verb>")
     for verb, (module_name, help_text) in VERBS.items():
