@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16)  # explicit: Qwen3 would default to 128
 
 
 def tiny_config(
@@ -22,6 +23,8 @@ def tiny_config(
 ) -> PretrainedConfig:
     """A small config of a supported architecture, GQA on (4 query heads, 2 KV heads) by default."""
     sizes = {**TINY_SIZES, **overrides}
+    if "head_dim" not in overrides:  # keep head_dim consistent with an overridden width
+        sizes["head_dim"] = sizes["hidden_size"] // sizes["num_attention_heads"]
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
