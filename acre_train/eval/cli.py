@@ -33,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .harness import EvalConfig, evaluate
     from .methods import parse_methods
@@ -50,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     if not Path(args.model).exists():
         print(f"acre-train eval: note: {args.model!r} is not a local folder; trying it as a hub id", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
-                                                 attn_implementation=args.attn_implementation).to(device)
+    model, tokenizer = _load_model(args, dtype, device)
     try:
         examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed)
     except (ValueError, FileNotFoundError) as exc:
@@ -66,3 +63,22 @@ def run(args: argparse.Namespace) -> int:
     for kind, path in report.files.items():
         print(f"{kind}: {path}")
     return 0
+
+
+def _load_model(args, dtype, device):
+    """An ACRE export (for the acre rows; plain calls run its base) or any supported causal LM."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..export.load import NotAnAcreExport, check_export_dir, load_export
+
+    try:
+        check_export_dir(args.model)
+    except NotAnAcreExport:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
+                                                     attn_implementation=args.attn_implementation).to(device)
+        return model, tokenizer
+    model, tokenizer, _ = load_export(args.model, device=device, dtype=dtype)
+    if args.tokenizer or tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    return model, tokenizer

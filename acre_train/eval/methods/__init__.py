@@ -3,7 +3,9 @@
 A method is a dataclass subclass of ``EvalMethod`` whose fields are its options; it implements
 ``prepare(model, tokenizer, example) -> state`` (query-independent work, may return None) and
 ``answer(model, tokenizer, example, state, generation) -> MethodResult`` (prediction + ``CostRecord``).
-To add a row (e.g. ``acre``, ``acre-l1``), write such a class and add it to ``METHODS``.
+To add a row, write such a class and add it to ``METHODS``. ``acre``/``acre-l1`` need an ACRE model
+(an ``acre-train export`` folder); every other row runs on any supported model, that one included
+(an ACRE model without ACRE inputs is its base model).
 
 Specs on the command line: ``name`` or ``name:key=value:key=value``, e.g. ``truncated:budget=2048``,
 ``infoflow:ratio=0.3:reorder=true``, ``cachefocus:allocation=sort``.
@@ -14,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from .acre import Acre, AcreL1
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult
 from .cachefocus import CacheFocus
 from .full import Full, Truncated
 from .infoflow import CacheBlend, Epic, InfoFlow, NoRecompute
 
 METHODS: dict[str, type[EvalMethod]] = {
-    cls.name: cls for cls in (Full, Truncated, CacheFocus, InfoFlow, NoRecompute, CacheBlend, Epic)
+    cls.name: cls for cls in (Full, Truncated, Acre, AcreL1, CacheFocus, InfoFlow, NoRecompute, CacheBlend, Epic)
 }
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -1,0 +1,88 @@
+"""The ``acre`` and ``acre-l1`` rows: an ACRE model answering through its bi-layer cache.
+
+Both rows feed :class:`acre_train.infer.AcreEngine` the harness's own token ids, so every row of a
+table reads identical tokens: the context part (``prefix + documents``) is cached once, query
+independently; the question part (the suffix) is answered over it. ``acre`` refills the most
+relevant L2 spans (DESIGN.md §5); ``acre-l1`` is the same engine with ``max_refill = 0``: the question
+sees the L1 cache and the raw tail only.
+
+Settings left at ``0`` come from the model's export (``config.acre.inference``), else the paper's
+inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``W0 = 4096, S = 2048``.
+
+``kv_attended`` counts what the first generated token attends to per layer: L1 entries, refilled raw
+tokens, and the open chunk (raw tail, question and their L1 tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..prompt import PreparedExample
+from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
+
+PAPER_DEFAULTS = {"first_chunk": 4096, "stride": 2048, "interval": 16, "working_window": 32768, "max_refill": 4096}
+
+
+@dataclass
+class Acre(EvalMethod):
+    """ACRE with query-guided refilling (0 = the export's stored default)."""
+
+    name: ClassVar[str] = "acre"
+    first_chunk: int = 0
+    stride: int = 0
+    interval: int = 0
+    working_window: int = 0
+    max_refill: int = -1  # -1: the export's default; 0 disables refilling (acre-l1)
+
+    def settings(self, model) -> dict[str, int]:
+        """The effective settings: this row's options over the export's over the paper's."""
+        acre = getattr(model.config, "acre", None) or {}
+        stored = acre.get("inference", {}) if isinstance(acre, dict) else {}
+        merged = {**PAPER_DEFAULTS, **{k: int(v) for k, v in stored.items() if k in PAPER_DEFAULTS}}
+        for key in ("first_chunk", "stride", "interval", "working_window"):
+            if getattr(self, key) > 0:
+                merged[key] = getattr(self, key)
+        if self.max_refill >= 0:
+            merged["max_refill"] = self.max_refill
+        return merged
+
+    def prepare(self, model, tokenizer, example: PreparedExample) -> Any:
+        from ...infer import AcreEngine, CacheSettings, RefillSettings
+        from ...modeling import is_acre_model
+
+        if not is_acre_model(model):
+            raise ValueError(f"method {self.name!r} needs an ACRE model (an 'acre-train export' folder)")
+        s = self.settings(model)
+        engine = AcreEngine(model, tokenizer, cache_settings=CacheSettings(s["first_chunk"], s["stride"], s["interval"]),
+                            refill=RefillSettings(working_window=s["working_window"], max_refill=s["max_refill"]))
+        ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
+        return engine, engine.build(ids, progress=False)
+
+    def answer(self, model, tokenizer, example: PreparedExample, state: Any,
+               generation: GenerationConfig) -> MethodResult:
+        engine, cache = state
+        # Exactly the harness's stop set, as for every other row (the engine would add its own EOS ids).
+        ans = engine.answer(cache, list(example.suffix_ids), max_new_tokens=generation.max_new_tokens,
+                            stop_token_ids=tuple(sorted(generation.stop_ids)), stop_at_eos=False)
+        interval = engine.cache_settings.interval
+        open_chunk = len(cache.tail_ids) + len(example.suffix_ids)
+        open_chunk += (open_chunk + cache.carry) // interval  # the open chunk's own L1 tokens
+        t = ans.timings
+        cost = CostRecord(
+            tokens_prefilled=len(example) + cache.num_l1,
+            token_layers_computed=(len(example) + cache.num_l1 + open_chunk) * model.config.num_hidden_layers,
+            kv_attended=float(ans.cache_length + open_chunk),
+            ttft_s=t.get("score_s", 0.0) + t.get("refill_s", 0.0) + t.get("prefill_s", 0.0),
+        )
+        return MethodResult(prediction=decode_text(tokenizer, ans.token_ids, generation.stop_ids),
+                            output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits,
+                            extra={"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected})
+
+
+@dataclass
+class AcreL1(Acre):
+    """ACRE without refilling: the question reads the L1 cache and the raw tail only."""
+
+    name: ClassVar[str] = "acre-l1"
+    max_refill: int = 0
