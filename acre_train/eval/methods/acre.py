@@ -10,7 +10,10 @@ Settings left at ``0`` come from the model's export (``config.acre.inference``),
 inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``W0 = 4096, S = 2048``.
 
 ``kv_attended`` counts what the first generated token attends to per layer: L1 entries, refilled raw
-tokens, and the open chunk (raw tail, question and their L1 tokens).
+tokens, and the open chunk (raw tail, question and their L1 tokens). ``refill_recall`` is the share
+of the evidence (needles holding a gold answer, or gold documents) that a refilled span or the raw tail
+reached, next to ``refill_visible_share``, the share of the context so made visible (what a random
+choice of as many spans would reach on average).
 """
 
 from __future__ import annotations
@@ -75,9 +78,49 @@ class Acre(EvalMethod):
             kv_attended=float(ans.cache_length + open_chunk),
             ttft_s=t.get("score_s", 0.0) + t.get("refill_s", 0.0) + t.get("prefill_s", 0.0),
         )
+        extra = {"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected,
+                 **refill_recall(tokenizer, example, cache, ans.selected)}
         return MethodResult(prediction=decode_text(tokenizer, ans.token_ids, generation.stop_ids),
-                            output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits,
-                            extra={"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected})
+                            output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits, extra=extra)
+
+
+def evidence_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int, int]]:
+    """Token ranges (prompt coordinates) of the evidence the question needs: the needles whose text
+    holds a gold answer (context tasks), or the gold documents (document tasks)."""
+    ex = example.example
+    base = len(example.prefix_ids)
+    if ex.documents is not None:
+        out, pos = [], base
+        for i, d in enumerate(example.doc_ids):
+            if i in (example.gold_docs or []):
+                out.append((pos, pos + len(d)))
+            pos += len(d)
+        return out
+    spans = [(a, b) for a, b in (ex.gold_spans or []) if any(ans in ex.context[a:b] for ans in ex.answers)]
+    if not spans:
+        return []
+    enc = tokenizer(ex.context, add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for a, b in spans:
+        hit = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < b and e > a]
+        if hit:
+            out.append((base + hit[0], base + hit[-1] + 1))
+    return out
+
+
+def refill_recall(tokenizer, example: PreparedExample, cache, selected: list[int]) -> dict[str, Any]:
+    """Did refilling bring the evidence back? Share of evidence ranges that overlap a refilled span or
+    the raw tail (which the question always sees), and the share of the context that was so visible
+    (what a random choice of the same number of spans would reach on average)."""
+    evidence = evidence_token_ranges(tokenizer, example)
+    if not evidence:
+        return {"refill_recall": None, "refill_visible_share": None}
+    bounds = cache.span_bounds.tolist()
+    n_ctx = cache.num_context_tokens
+    visible = [(bounds[j], bounds[j + 1]) for j in selected] + [(n_ctx - len(cache.tail_ids), n_ctx)]
+    hits = sum(any(a < vb and b > va for va, vb in visible) for a, b in evidence)
+    share = sum(vb - va for va, vb in visible) / max(1, n_ctx)
+    return {"refill_recall": hits / len(evidence), "refill_visible_share": share}
 
 
 @dataclass

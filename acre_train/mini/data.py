@@ -1,0 +1,325 @@
+"""Data of the miniature study: a tokenizer trained here, and the text/QA streams of every stage.
+
+Every stream is built from the evaluation harness's own task generators (``acre_train.eval.tasks``)
+with *training* seeds (``SEEDS``), rendered into exactly the prompt the harness feeds the models
+(``acre_train.eval.prompt``: instruction, blank line, context or ``Document [i]: ...`` list, blank
+line, ``Question: ...``, ``Answer:``) followed by the gold answer. Evaluation uses ``EVAL_SEED``,
+which no training stream uses; SQuAD training questions that also occur in an evaluation set are
+dropped (both are drawn from the same SQuAD v2 dev file).
+
+Streams:
+
+* **base** (pretraining the base model, vanilla full attention): documents of at least ``window``
+  tokens, each a pack of whole retrieval examples (EOS-separated; contexts of 16%..78% of the window, at least 160 tokens) padded
+  at the end with Python-reference text, or plain Python-reference text. Stage-1 preparation with
+  ``min_length = max_length = window`` and ``pack: false`` cuts exactly one span of ``window`` tokens
+  from the head of each document, so no example is split between spans.
+* **base2**, **base3** (pretraining phases 2 and 3, continuing the previous phase): phase 2 packs
+  shorter contexts (16-44 % of the window), mostly multi-key needles, 10 % text; phase 3 is 70 %
+  key-value drills in the needle tasks' wording (``drill_text``) and 30 % phase-2-style documents.
+* **stage1** (ACRE stage 1): the same construction at ``long_window`` tokens (longer than the base
+  window): one long retrieval example (context up to ``long_window - 200``), then padding text.
+* **stage2** (ACRE stage 2 and the vanilla SFT ablation): ``messages`` JSONL, user = the harness
+  prompt without ``Answer:``, assistant = the answer; the tokenizer's chat template writes
+  ``\\nAnswer: `` and the EOS, so the rendered text equals the harness prompt + answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from ..eval.prompt import CONTEXT_INSTRUCTION, DOCS_INSTRUCTION
+from ..eval.tasks import Example, build_task
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+# Plain "chat" template: the user turn is the prompt itself, the assistant turn is "\nAnswer: <text><eos>".
+# It renders a (prompt, answer) conversation as exactly the evaluation harness's prompt + answer,
+# so stage 2 trains on the format every method is evaluated with.
+PLAIN_QA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '\\nAnswer: ' + message['content'] + '" + EOS + "' }}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\nAnswer:' }}{% endif %}"
+)
+
+# Seeds: training streams draw from these ranges; evaluation uses EVAL_SEED (never used in training).
+SEEDS = {"base": 1000, "stage1": 2000, "stage2": 3000, "tokenizer": 4000, "base2": 5000, "base3": 6000}
+EVAL_SEED = 777_001
+RETRIEVAL_KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
+_NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def tokenizer_corpus(seed: int = SEEDS["tokenizer"]) -> list[str]:
+    """Text the tokenizer is trained on: the built-in Python reference, SQuAD paragraphs and
+    questions, and synthetic needle/variable lines of the retrieval streams."""
+    from ..data.builtin import builtin_text
+    from ..eval.tasks import SQUAD_PATH, _WORDS
+
+    texts = [r["text"] for r in builtin_text()]
+    if Path(SQUAD_PATH).is_file():
+        squad = json.loads(Path(SQUAD_PATH).read_text(encoding="utf-8"))["data"]
+    else:
+        from ..data.builtin import builtin_qa
+
+        squad = builtin_qa()["data"]
+    for art in squad:
+        for p in art["paragraphs"]:
+            texts.append(p["context"])
+            texts.extend(q["question"] for q in p["qas"])
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(3000):
+        key = f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}"
+        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        lines.append(f"One of the special magic numbers for {key} is: {rng.randint(10**6, 10**7 - 1)}. "
+                     f"VAR {name} = VAR {name[::-1]}. What is the special magic number for {key} mentioned "
+                     "in the provided text? What are all the special magic numbers for")
+    texts.append(" ".join(lines))
+    texts += [DOCS_INSTRUCTION, CONTEXT_INSTRUCTION, "Question: Answer: Document [1]: "]
+    return texts
+
+
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 2048, texts: Iterable[str] | None = None):
+    """Byte-level BPE (digits split one by one) trained with ``tokenizers``; saved as a HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts if texts is not None else tokenizer_corpus()), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1 << 20)
+    fast.chat_template = PLAIN_QA_TEMPLATE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+# ------------------------------------------------------------------------------------- rendering
+
+
+def prompt_text(ex: Example) -> str:
+    """The harness's prompt (``acre_train.eval.prompt.prepare_example``) as one string, without ``\\nAnswer:``."""
+    if ex.documents is not None:
+        body = "".join(f"Document [{i + 1}]: {d}\n\n" for i, d in enumerate(ex.documents))
+        return f"{ex.instruction or DOCS_INSTRUCTION}\n\n{body}\n\nQuestion: {ex.question}"
+    return f"{ex.instruction or CONTEXT_INSTRUCTION}\n\n{ex.context}\n\nQuestion: {ex.question}"
+
+
+def answer_text(ex: Example) -> str:
+    """The target answer: the gold answer, or every gold joined by ', ' where all are asked for."""
+    return ", ".join(ex.answers) if ex.substring_mode in ("all", "fraction") else ex.answers[0]
+
+
+def qa_text(ex: Example, dense: bool = False) -> str:
+    """Prompt + ``\\nAnswer: <answer>``; ``dense``: also ask about every other needle (more signal per token)."""
+    text = f"{prompt_text(ex)}\nAnswer: {answer_text(ex)}"
+    if dense and ex.task == "niah_multikey" and ex.context:
+        others = [(k, v) for k, v in _NEEDLE.findall(ex.context) if v not in ex.answers]
+        for k, v in others:
+            text += (f"\n\nQuestion: What is the special magic number for {k} mentioned in the provided text?"
+                     f"\nAnswer: {v}")
+    return text
+
+
+@dataclass
+class StreamSettings:
+    window: int = 1024  # tokens per base-pretraining span (the base model's native window)
+    long_window: int = 3072  # tokens per stage-1 span (longer than the base window)
+    base_docs: int = 2400  # base-pretraining documents (each yields one span of `window` tokens)
+    base2_docs: int = 2400  # phase-2 base documents
+    base3_docs: int = 2400  # phase-3 base documents (key-value drill)
+    text_share: float = 0.25  # share of base documents that are plain reference text
+    stage1_docs: int = 160
+    stage2_samples: int = 320
+    stage2_max_context: int = 2600  # stage-2 context lengths are drawn up to this (tokens)
+    squad_share: float = 0.2  # share of stage-2 samples (and base retrieval examples) that are SQuAD
+
+
+def _filler(rng: random.Random, min_chars: int) -> str:
+    """Random Python-reference topics joined until ``min_chars`` characters."""
+    from ..data.builtin import builtin_text
+
+    docs = builtin_text()
+    parts, n = [], 0
+    while n < min_chars:
+        parts.append(docs[rng.randrange(len(docs))]["text"])
+        n += len(parts[-1])
+    return " ".join(parts)
+
+
+def _fit(tokenizer, text: str, tokens: int) -> str:
+    """``text`` cut to about ``tokens + 32`` tokens (it must already be longer than ``tokens``)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids[: tokens + 32]) if len(ids) > tokens + 32 else text
+
+
+def _examples(kind: str, tokenizer, length: int, n: int, seed: int) -> list[Example]:
+    return build_task(kind, tokenizer, length, n, seed)
+
+
+class _Pool:
+    """Retrieval examples of one kind and context length, generated in batches with fresh seeds."""
+
+    def __init__(self, tokenizer, seed0: int, exclude_questions: set[str] | None = None):
+        self.tokenizer, self.seed, self.pool = tokenizer, seed0, {}
+        self.exclude = exclude_questions or set()
+
+    def take(self, kind: str, length: int) -> Example:
+        key = (kind, length)
+        while not self.pool.get(key):
+            self.seed += 1
+            batch = _examples(kind, self.tokenizer, length, 8, self.seed)
+            self.pool[key] = [e for e in batch if e.question not in self.exclude or kind != "squad"]
+        return self.pool[key].pop()
+
+
+MIXED_KINDS = ("niah_single", "niah_multikey", "niah_multikey", "niah_multivalue", "vt")
+# Phase 2 of base pretraining: dense key-value retrieval first (the copy skill every task needs).
+DENSE_KINDS = ("niah_single", "niah_multikey", "niah_multikey", "niah_multikey", "niah_multivalue", "vt")
+
+
+def _pick_kind(rng: random.Random, squad_share: float, kinds: tuple[str, ...] = MIXED_KINDS) -> str:
+    if rng.random() < squad_share:
+        return "squad"
+    return rng.choice(kinds)
+
+
+def base_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base"],
+                   log=print, *, docs: int | None = None, text_share: float | None = None,
+                   squad_share: float | None = None, kinds: tuple[str, ...] = MIXED_KINDS,
+                   fractions: tuple[float, ...] = (0.16, 0.22, 0.31, 0.44, 0.56, 0.69, 0.78),
+                   ) -> Iterator[dict[str, Any]]:
+    """Base-pretraining documents (see the module docstring). Phase 2 (``base2_documents``) uses
+    shorter contexts, fewer text documents and more multi-key examples."""
+    rng = random.Random(seed)
+    text_share = s.text_share if text_share is None else text_share
+    squad_share = s.squad_share if squad_share is None else squad_share
+    pool = _Pool(tokenizer, seed * 100, exclude_questions)
+    budget = s.window - 24  # room for EOS separators and tokenisation drift at the joins
+    for i in range(s.base_docs if docs is None else docs):
+        if rng.random() < text_share:
+            yield {"text": _fit(tokenizer, _filler(rng, 6 * s.window), s.window), "meta": {"kind": "text"}}
+            continue
+        parts, used = [], 0
+        while True:
+            sizes = sorted({max(160, int(f * s.window)) for f in fractions})
+            fits = [n for n in sizes if used + n + 80 <= budget]
+            if not fits:
+                break
+            length = rng.choice(fits)
+            kind = _pick_kind(rng, squad_share, kinds)
+            text = qa_text(pool.take(kind, length), dense=True)
+            n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if used + n + 1 > budget:
+                break
+            parts.append(text)
+            used += n + 1
+        if not parts:
+            continue
+        text = EOS.join(parts) + EOS + _filler(rng, 6 * (s.window - used) + 400)
+        yield {"text": _fit(tokenizer, text, s.window), "meta": {"kind": "retrieval", "examples": len(parts)}}
+        if log and (i + 1) % 500 == 0:
+            log(f"  base documents: {i + 1}")
+
+
+def base2_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base2"],
+                    log=print) -> Iterator[dict[str, Any]]:
+    """Phase-2 base documents: contexts of 16-44 % of the window, 10 % text, 10 % SQuAD, multi-key heavy."""
+    yield from base_documents(tokenizer, s, exclude_questions, seed, log, docs=s.base2_docs, text_share=0.1,
+                              squad_share=0.1, kinds=DENSE_KINDS, fractions=(0.16, 0.22, 0.31, 0.44))
+
+
+def drill_text(rng: random.Random, facts: int, questions: int) -> str:
+    """A key-value drill in the needle tasks' own wording: ``facts`` needles (a few filler sentences
+    between some of them), then ``questions`` harness-format questions about some of the keys."""
+    from ..eval.tasks import _WORDS, _filler_sentences
+
+    sentences = _filler_sentences()
+    keys = list(dict.fromkeys(f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}" for _ in range(3 * facts)))[:facts]
+    values = [str(rng.randint(10**6, 10**7 - 1)) for _ in keys]
+    parts = []
+    for k, v in zip(keys, values):
+        parts.append(f"One of the special magic numbers for {k} is: {v}.")
+        if rng.random() < 0.5:
+            parts.append(sentences[rng.randrange(len(sentences))])
+    instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
+                   "them. I will quiz you about the numbers afterwards.")
+    text = f"{instruction}\n\n{' '.join(parts)}"
+    for i in rng.sample(range(len(keys)), min(questions, len(keys))):
+        text += (f"\n\nQuestion: What is the special magic number for {keys[i]} mentioned in the provided text?"
+                 f"\nAnswer: {values[i]}")
+    return text
+
+
+def base3_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base3"],
+                    log=print) -> Iterator[dict[str, Any]]:
+    """Phase-3 base documents: 70 % key-value drills packed to the window, 30 % phase-2-style documents."""
+    rng = random.Random(seed)
+    mixed = base_documents(tokenizer, s, exclude_questions, seed + 1, log=None, docs=10**9, text_share=0.1,
+                           squad_share=0.1, kinds=DENSE_KINDS, fractions=(0.16, 0.22, 0.31, 0.44))
+    for _ in range(s.base3_docs):
+        if rng.random() < 0.3:
+            yield next(mixed)
+            continue
+        parts, used = [], 0
+        while used < s.window - 64:
+            facts = rng.randint(2, 12)
+            text = drill_text(rng, facts, rng.randint(1, facts))
+            parts.append(text)
+            used += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+        yield {"text": _fit(tokenizer, EOS.join(parts), s.window), "meta": {"kind": "drill"}}
+
+
+def stage1_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["stage1"],
+                     ) -> Iterator[dict[str, Any]]:
+    """Stage-1 documents: one long retrieval example (context beyond the base window) + reference text."""
+    rng = random.Random(seed)
+    pool = _Pool(tokenizer, seed * 100, exclude_questions)
+    for i in range(s.stage1_docs):
+        if rng.random() < 0.2:
+            yield {"text": _fit(tokenizer, _filler(rng, 6 * s.long_window), s.long_window), "meta": {"kind": "text"}}
+            continue
+        length = rng.randrange(s.window, s.long_window - 200, 64)
+        ex = pool.take(_pick_kind(rng, s.squad_share), length)
+        text = qa_text(ex) + EOS + _filler(rng, 6 * (s.long_window - length) + 400)
+        yield {"text": _fit(tokenizer, text, s.long_window), "meta": {"kind": ex.task}}
+
+
+def stage2_conversations(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["stage2"],
+                         ) -> Iterator[dict[str, Any]]:
+    """Stage-2 ``messages`` records: contexts from 256 tokens to ``stage2_max_context``."""
+    rng = random.Random(seed)
+    pool = _Pool(tokenizer, seed * 100, exclude_questions)
+    for _ in range(s.stage2_samples):
+        length = rng.randrange(256, s.stage2_max_context, 64)
+        ex = pool.take(_pick_kind(rng, s.squad_share), length)
+        yield {"messages": [{"role": "user", "content": prompt_text(ex)},
+                            {"role": "assistant", "content": answer_text(ex)}],
+               "meta": {"kind": ex.task, "context_tokens": length}}
+
+
+def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> int:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            n += 1
+    return n
