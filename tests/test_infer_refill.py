@@ -26,14 +26,7 @@ from acre_train.tiny import tiny_model
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tiny models run many small ops: with 2 threads on a busy 2-core machine OpenMP waits
-    dominate (measured 150x slower), so the module runs single-threaded; results do not change."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 BIG = RefillSettings(working_window=10**6, max_refill=10**6, max_new_tokens=4)
 
 

@@ -25,7 +25,7 @@ from .readers import Record, describe_inputs, expand_inputs, read_files, read_hu
 from .rows import features, plan_row
 from .settings import Stage1Settings
 from .spans import Segment, iter_spans, span_length
-from .tokenizer import load_tokenizer, tokenizer_facts
+from .tokenizer import open_tokenizer
 from .tiny_tokenizer import cache_root
 
 
@@ -160,9 +160,7 @@ def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
 
     if settings.output is None:
         raise DataError("stage 1 needs an output directory")
-    tok = load_tokenizer(settings.tokenizer)
-    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
-    tok_facts = tokenizer_facts(tok, settings.tokenizer)
+    tok, l1_id, tok_facts = open_tokenizer(settings)
     inputs = describe_source(settings)
     read_key = fingerprint(FORMAT_VERSION, inputs, settings.text_field, settings.meta_field, tok_facts["fingerprint"])
     key = fingerprint(FORMAT_VERSION, "stage1", settings.output_dict(), inputs, tok_facts["fingerprint"])
@@ -238,8 +236,7 @@ def build_manifest(stage: int, settings: Any, rows, inputs, tok_facts, l1_id: in
 
 def preview_stage1(settings: Stage1Settings, n: int) -> tuple[list[dict[str, Any]], Any]:
     """The first ``n`` stage-1 rows, built lazily without writing anything (for ``--debug``)."""
-    tok = load_tokenizer(settings.tokenizer)
-    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    tok, l1_id, _ = open_tokenizer(settings)
     problems = InputProblems(strict=settings.strict)
     store: dict[int, tuple[list[int], str, str]] = {}
 

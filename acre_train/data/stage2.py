@@ -26,7 +26,7 @@ from .rows import features, plan_row
 from .settings import Stage2Settings
 from .squad import build_long_qa, load_squad_files, paragraphs_from_records, paragraphs_from_squad_json
 from .stage1 import build_manifest, describe_source, input_records
-from .tokenizer import load_tokenizer, tokenizer_facts
+from .tokenizer import open_tokenizer
 
 
 def _squad_paragraphs(settings: Stage2Settings, problems: InputProblems):
@@ -118,9 +118,7 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
 
     if settings.output is None:
         raise DataError("stage 2 needs an output directory")
-    tok = load_tokenizer(settings.tokenizer)
-    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
-    tok_facts = tokenizer_facts(tok, settings.tokenizer)
+    tok, l1_id, tok_facts = open_tokenizer(settings)
     inputs = describe_source(settings)
     key = fingerprint(FORMAT_VERSION, "stage2", settings.output_dict(), inputs, tok_facts["fingerprint"])
     if not settings.overwrite and (manifest := reusable(settings.output, key)):
@@ -164,8 +162,7 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
 
 def preview_stage2(settings: Stage2Settings, n: int) -> tuple[list[dict[str, Any]], Any]:
     """The first ``n`` kept stage-2 rows, built without writing anything (for ``--debug``)."""
-    tok = load_tokenizer(settings.tokenizer)
-    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    tok, l1_id, _ = open_tokenizer(settings)
     problems = InputProblems(strict=settings.strict)
     rows, seen = [], 0
     for index, example in enumerate(iter_examples(settings, tok, problems)):

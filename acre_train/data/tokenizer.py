@@ -53,3 +53,10 @@ def tokenizer_facts(tok: Any, name: str) -> dict[str, Any]:
         "pad_token_id": tok.pad_token_id,
         "bos_token_id": tok.bos_token_id,
     }
+
+
+def open_tokenizer(settings: Any) -> tuple[Any, int, dict[str, Any]]:
+    """``(tokenizer, L1 slot id, tokenizer facts)`` for a stage's settings (L1 id defaults to EOS)."""
+    tok = load_tokenizer(settings.tokenizer)
+    l1_id = tok.eos_token_id if settings.l1_token_id is None else settings.l1_token_id
+    return tok, l1_id, tokenizer_facts(tok, settings.tokenizer)

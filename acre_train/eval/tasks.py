@@ -218,6 +218,11 @@ def _assemble(filler: list[str], needles: list[str], rng: random.Random) -> tupl
     pieces: list[tuple[str, bool]] = [(s, False) for s in filler]
     for slot, needle in sorted(zip(slots, order), key=lambda x: -x[0]):
         pieces.insert(slot, (needle, True))
+    return _join_pieces(pieces)
+
+
+def _join_pieces(pieces: list[tuple[str, bool]]) -> tuple[str, list[list[int]]]:
+    """Space-join text pieces; return the text and the character span of every needle piece."""
     text, spans, pos = [], [], 0
     for s, is_needle in pieces:
         if is_needle:
@@ -291,13 +296,7 @@ def _assemble_in_order(rng: random.Random, count: _TokenCounter, sentences: list
             j += 1
         if i < len(filler):
             pieces.append((filler[i], False))
-    text, spans, pos = [], [], 0
-    for s, is_needle in pieces:
-        if is_needle:
-            spans.append([pos, pos + len(s)])
-        text.append(s)
-        pos += len(s) + 1
-    return " ".join(text), spans
+    return _join_pieces(pieces)
 
 
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
