@@ -197,3 +197,15 @@ def test_batches_depend_on_the_global_batch_only_and_group_chunk_counts():
     assert set(split[0]).isdisjoint(split[1]) and set(np.concatenate(split)) == set(batches[0])
     assert [b.tolist() for b in epoch_batches(chunks, 4, epoch=0, seed=0)] == [b.tolist() for b in batches]
     assert [b.tolist() for b in epoch_batches(chunks, 4, epoch=1, seed=0)] != [b.tolist() for b in batches]
+
+
+def test_gradient_checkpointing_trains_identically(workdir):
+    """Recipes for long sequences turn checkpointing on: it must be non-reentrant and change nothing."""
+    trainer, plain = run(recipe(workdir, "no-ckpt", "train.max_steps=2"))
+    trainer_ckpt, ckpt = run(recipe(workdir, "ckpt", "train.max_steps=2", "model.gradient_checkpointing=true"))
+    assert trainer_ckpt.model.model.layers[0].gradient_checkpointing
+    np.testing.assert_allclose(ckpt.losses, plain.losses, rtol=0, atol=1e-6)
+    a = load_file(str(plain.last_checkpoint / "trainable.safetensors"))
+    b = load_file(str(ckpt.last_checkpoint / "trainable.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)

@@ -49,8 +49,10 @@ def build_model(recipe: Recipe) -> nn.Module:
         load_initial_weights(model, recipe)
     if recipe.model.gradient_checkpointing:
         # Non-reentrant: a chunk's loss must reach earlier chunks' L1 keys/values (DESIGN §3).
-        enable = getattr(model, "gradient_checkpointing_enable")
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name goes in v6
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 
