@@ -140,3 +140,10 @@ def segment_positions(start: int, n: int, device: torch.device) -> torch.Tensor:
 
 def owners(value: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.full((n,), value, dtype=torch.long, device=device)
+
+
+def prefix_pass(parts: engine.ModelParts, example: PreparedExample) -> engine.PassResult:
+    """The shared prompt prefix through every layer at positions ``0..p-1`` (cached once per example)."""
+    dev, p = parts.device, len(example.prefix_ids)
+    return engine.layer_pass(parts, tensor(example.prefix_ids, dev), segment_positions(0, p, dev),
+                             owners(engine.PREFIX_OWNER, p, dev), None)

@@ -26,7 +26,7 @@ import torch
 
 from .. import engine, rope
 from ..prompt import PreparedExample
-from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners,
+from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners, prefix_pass,
                    segment_positions, store_cost, tensor)
 
 
@@ -64,8 +64,7 @@ class CacheFocusTrace:
 def cachefocus_prepare(parts: engine.ModelParts, example: PreparedExample) -> CacheFocusState:
     """Prefix once, then every document after the prefix, independently."""
     dev, p = parts.device, len(example.prefix_ids)
-    pre = engine.layer_pass(parts, tensor(example.prefix_ids, dev), segment_positions(0, p, dev),
-                            owners(engine.PREFIX_OWNER, p, dev), None)
+    pre = prefix_pass(parts, example)
     docs, token_layers = [], pre.token_layers
     for d, ids in enumerate(example.doc_ids):
         res = engine.layer_pass(parts, tensor(ids, dev), segment_positions(p, len(ids), dev),

@@ -31,7 +31,7 @@ import torch
 
 from .. import engine, rope
 from ..prompt import PreparedExample
-from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners,
+from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners, prefix_pass,
                    segment_positions, store_cost, tensor)
 
 SELECTORS = ("attention", "none", "cacheblend", "epic")
@@ -63,8 +63,7 @@ class ChunkState:
 def chunkwise_prepare(parts: engine.ModelParts, example: PreparedExample) -> ChunkState:
     """Prefix at its positions; every chunk alone at chunk-local positions."""
     dev, p = parts.device, len(example.prefix_ids)
-    pre = engine.layer_pass(parts, tensor(example.prefix_ids, dev), segment_positions(0, p, dev),
-                            owners(engine.PREFIX_OWNER, p, dev), None)
+    pre = prefix_pass(parts, example)
     chunks, token_layers = [], pre.token_layers
     for d, ids in enumerate(example.doc_ids):
         res = engine.layer_pass(parts, tensor(ids, dev), segment_positions(0, len(ids), dev),
