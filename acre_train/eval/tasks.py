@@ -20,6 +20,7 @@ of the given tokenizer, and are seeded: the same arguments give the same file.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -187,6 +188,16 @@ _WORDS = (
 ).split()
 
 
+NEEDLE_INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
+                      "them. I will quiz you about the numbers afterwards.")
+
+
+def needle_question(key: str) -> str:
+    """The question of the ``niah_single``/``niah_multikey`` tasks about ``key``."""
+    return f"What is the special magic number for {key} mentioned in the provided text?"
+
+
+@functools.lru_cache(maxsize=1)
 def _filler_sentences() -> list[str]:
     from pydoc_data.topics import topics
 
@@ -241,8 +252,7 @@ def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: in
     rng = random.Random(f"{kind}-{seed}")
     count = _TokenCounter(tokenizer)
     sentences = _filler_sentences()
-    instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
-                   "them. I will quiz you about the numbers afterwards.")
+    instruction = NEEDLE_INSTRUCTION
     out: list[Example] = []
     for n in range(num_examples):
         keys = list(dict.fromkeys(_key(rng) for _ in range(4 * num_needles)))[:num_needles]
@@ -251,10 +261,10 @@ def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: in
         metric, mode = "substring", "any"
         if kind == "niah_single":
             needles = [f"One of the special magic numbers for {key} is: {values[0]}."]
-            question, answers = f"What is the special magic number for {key} mentioned in the provided text?", [values[0]]
+            question, answers = needle_question(key), [values[0]]
         elif kind == "niah_multikey":
             needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
-            question, answers = f"What is the special magic number for {key} mentioned in the provided text?", [values[0]]
+            question, answers = needle_question(key), [values[0]]
         elif kind == "niah_multivalue":
             needles = [f"One of the special magic numbers for {key} is: {v}." for v in values]
             question = f"What are all the special magic numbers for {key} mentioned in the provided text?"

@@ -9,14 +9,16 @@ dropped (both are drawn from the same SQuAD v2 dev file).
 
 Streams:
 
-* **base** (pretraining the base model, vanilla full attention): documents of at least ``window``
-  tokens, each a pack of whole retrieval examples (EOS-separated; contexts of 16%..78% of the window, at least 160 tokens) padded
-  at the end with Python-reference text, or plain Python-reference text. Stage-1 preparation with
-  ``min_length = max_length = window`` and ``pack: false`` cuts exactly one span of ``window`` tokens
-  from the head of each document, so no example is split between spans.
-* **base2**, **base3** (pretraining phases 2 and 3, continuing the previous phase): phase 2 packs
-  shorter contexts (16-44 % of the window), mostly multi-key needles, 10 % text; phase 3 is 70 %
-  key-value drills in the needle tasks' wording (``drill_text``) and 30 % phase-2-style documents.
+* **base** (phase 1 of pretraining the base from scratch): key-value drills as ``messages``
+  conversations (``drill_conversation``): 2..8 needles in the needle tasks' wording, then one question
+  per key; trained with the stage-2 collator, so the loss sees only the answers.
+* **base2** (phase 2, language modelling at the full window): documents of at least ``window``
+  tokens, each a pack of whole retrieval examples (EOS-separated; contexts of 16%..78% of the window,
+  at least 160 tokens) padded at the end with Python-reference text, or plain Python-reference text.
+  Stage-1 preparation with ``min_length = max_length = window`` and ``pack: false`` cuts exactly one
+  span of ``window`` tokens from the head of each document, so no example is split between spans.
+* **base3** (phase 3): the harness's tasks as conversations with contexts of 128 tokens up to the
+  window (every multi-key needle asked), and drills with reference text between the facts.
 * **stage1** (ACRE stage 1): the same construction at ``long_window`` tokens (longer than the base
   window): one long retrieval example (context up to ``long_window - 200``), then padding text.
 * **stage2** (ACRE stage 2 and the vanilla SFT ablation): ``messages`` JSONL, user = the harness
@@ -127,23 +129,20 @@ def answer_text(ex: Example) -> str:
 
 
 def qa_text(ex: Example, dense: bool = False) -> str:
-    """Prompt + ``\\nAnswer: <answer>``; ``dense``: also ask about every other needle (more signal per token)."""
-    text = f"{prompt_text(ex)}\nAnswer: {answer_text(ex)}"
-    if dense and ex.task == "niah_multikey" and ex.context:
-        others = [(k, v) for k, v in _NEEDLE.findall(ex.context) if v not in ex.answers]
-        for k, v in others:
-            text += (f"\n\nQuestion: What is the special magic number for {k} mentioned in the provided text?"
-                     f"\nAnswer: {v}")
-    return text
+    """Prompt + ``\nAnswer: <answer>`` (no end-of-turn tokens); ``dense``: see ``qa_conversation``."""
+    return "".join(m["content"] if m["role"] == "user" else f"\nAnswer: {m['content']}"
+                   for m in qa_conversation(ex, dense))
 
 
 @dataclass
 class StreamSettings:
     window: int = 1024  # tokens per base-pretraining span (the base model's native window)
     long_window: int = 3072  # tokens per stage-1 span (longer than the base window)
-    base_docs: int = 2400  # base-pretraining documents (each yields one span of `window` tokens)
-    base2_docs: int = 2400  # phase-2 base documents
-    base3_docs: int = 2400  # phase-3 base documents (key-value drill)
+    base_docs: int = 24000  # phase-1 key-value drills (conversations)
+    base2_docs: int = 1000  # phase-2 language-modelling documents (each yields one span of `window` tokens)
+    base3_docs: int = 4000  # phase-3 task conversations (contexts up to the window)
+    drill_max_facts: int = 8  # facts per drill: 2..this
+    drill_share: float = 0.3  # share of phase-3 records that are drills (with reference text between facts)
     text_share: float = 0.25  # share of base documents that are plain reference text
     stage1_docs: int = 160
     stage2_samples: int = 320
@@ -240,15 +239,17 @@ def base_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], se
 
 def base2_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base2"],
                     log=print) -> Iterator[dict[str, Any]]:
-    """Phase-2 base documents: contexts of 16-44 % of the window, 10 % text, 10 % SQuAD, multi-key heavy."""
-    yield from base_documents(tokenizer, s, exclude_questions, seed, log, docs=s.base2_docs, text_share=0.1,
-                              squad_share=0.1, kinds=DENSE_KINDS, fractions=(0.16, 0.22, 0.31, 0.44))
+    """Phase-2 base documents (language modelling at the full window): reference text and packs of
+    whole retrieval examples (see ``base_documents``)."""
+    yield from base_documents(tokenizer, s, exclude_questions, seed, log, docs=s.base2_docs)
 
 
-def drill_text(rng: random.Random, facts: int, questions: int) -> str:
-    """A key-value drill in the needle tasks' own wording: ``facts`` needles (a few filler sentences
-    between some of them), then ``questions`` harness-format questions about some of the keys."""
-    from ..eval.tasks import _WORDS, _filler_sentences
+def drill_conversation(rng: random.Random, facts: int, filler: float = 0.0) -> list[dict[str, str]]:
+    """A key-value drill as a conversation: ``facts`` needles in the needle tasks' own wording (after
+    each, with probability ``filler``, one sentence of reference text), then one harness-format
+    question per key in random order, each answered by the assistant (the loss sees only the answers).
+    """
+    from ..eval.tasks import NEEDLE_INSTRUCTION, _WORDS, _filler_sentences, needle_question
 
     sentences = _filler_sentences()
     keys = list(dict.fromkeys(f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}" for _ in range(3 * facts)))[:facts]
@@ -256,34 +257,58 @@ def drill_text(rng: random.Random, facts: int, questions: int) -> str:
     parts = []
     for k, v in zip(keys, values):
         parts.append(f"One of the special magic numbers for {k} is: {v}.")
-        if rng.random() < 0.5:
+        if rng.random() < filler:
             parts.append(sentences[rng.randrange(len(sentences))])
-    instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
-                   "them. I will quiz you about the numbers afterwards.")
-    text = f"{instruction}\n\n{' '.join(parts)}"
-    for i in rng.sample(range(len(keys)), min(questions, len(keys))):
-        text += (f"\n\nQuestion: What is the special magic number for {keys[i]} mentioned in the provided text?"
-                 f"\nAnswer: {values[i]}")
-    return text
+    order = rng.sample(range(len(keys)), len(keys))
+    messages = []
+    for n, i in enumerate(order):
+        head = f"{NEEDLE_INSTRUCTION}\n\n{' '.join(parts)}" if n == 0 else ""
+        messages += [{"role": "user", "content": f"{head}\n\nQuestion: {needle_question(keys[i])}"},
+                     {"role": "assistant", "content": values[i]}]
+    return messages
 
 
-def base3_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base3"],
-                    log=print) -> Iterator[dict[str, Any]]:
-    """Phase-3 base documents: 70 % key-value drills packed to the window, 30 % phase-2-style documents."""
+def drill_conversations(s: StreamSettings, seed: int = SEEDS["base"]) -> Iterator[dict[str, Any]]:
+    """Phase-1 base records: short key-value drills without filler; a quarter have a single fact
+    (copying the one value needs no key matching: those teach the copy itself), the rest
+    2..``drill_max_facts`` facts."""
     rng = random.Random(seed)
-    mixed = base_documents(tokenizer, s, exclude_questions, seed + 1, log=None, docs=10**9, text_share=0.1,
-                           squad_share=0.1, kinds=DENSE_KINDS, fractions=(0.16, 0.22, 0.31, 0.44))
-    for _ in range(s.base3_docs):
-        if rng.random() < 0.3:
-            yield next(mixed)
+    for _ in range(s.base_docs):
+        facts = 1 if rng.random() < 0.25 else rng.randint(2, s.drill_max_facts)
+        yield {"messages": drill_conversation(rng, facts), "meta": {"kind": "drill", "facts": facts}}
+
+
+def qa_conversation(ex: Example, dense: bool = False) -> list[dict[str, str]]:
+    """An example as the harness's prompt + answer; ``dense``: every other multi-key needle asked too."""
+    messages = [{"role": "user", "content": prompt_text(ex)}, {"role": "assistant", "content": answer_text(ex)}]
+    if dense and ex.task == "niah_multikey" and ex.context:
+        from ..eval.tasks import needle_question
+
+        for k, v in _NEEDLE.findall(ex.context):
+            if v not in ex.answers:
+                messages += [{"role": "user", "content": f"\n\nQuestion: {needle_question(k)}"},
+                             {"role": "assistant", "content": v}]
+    return messages
+
+
+def task_conversations(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base3"],
+                       log=print) -> Iterator[dict[str, Any]]:
+    """Phase-3 base records: the harness's own tasks with contexts of 128 tokens up to the window
+    (``drill_share`` of them: drills with reference text between the facts)."""
+    rng = random.Random(seed)
+    pool = _Pool(tokenizer, seed * 100, exclude_questions)
+    top = s.window - 160  # room for the instruction, the question and the answer
+    for i in range(s.base3_docs):
+        if rng.random() < s.drill_share:
+            facts = rng.randint(2, s.drill_max_facts)
+            yield {"messages": drill_conversation(rng, facts, filler=rng.choice((0.5, 1.0))),
+                   "meta": {"kind": "drill", "facts": facts}}
             continue
-        parts, used = [], 0
-        while used < s.window - 64:
-            facts = rng.randint(2, 12)
-            text = drill_text(rng, facts, rng.randint(1, facts))
-            parts.append(text)
-            used += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
-        yield {"text": _fit(tokenizer, EOS.join(parts), s.window), "meta": {"kind": "drill"}}
+        length = rng.randrange(128, top, 32)
+        ex = pool.take(_pick_kind(rng, s.squad_share, DENSE_KINDS), length)
+        yield {"messages": qa_conversation(ex, dense=True), "meta": {"kind": ex.task, "context_tokens": length}}
+        if log and (i + 1) % 1000 == 0:
+            log(f"  phase-3 records: {i + 1}")
 
 
 def stage1_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["stage1"],

@@ -32,23 +32,23 @@ class StudyConfig:
     model: dict[str, int] = field(default_factory=dict)  # tiny_config overrides ({} = the recipe's)
     window: int = 1024
     long_window: int = 3072
-    base_docs: int = 2600
-    base2_docs: int = 2400
-    base3_docs: int = 2400
+    base_docs: int = 24000  # phase-1 drills (one epoch of 1,500 steps x 16)
+    base2_docs: int = 1000
+    base3_docs: int = 4000
     stage1_docs: int = 200
-    stage2_samples: int = 240
+    stage2_samples: int = 480
     stage2_max_context: int = 2600
-    steps: dict[str, int] = field(default_factory=lambda: {"base": 240, "base2": 250, "base3": 90, "stage1": 40, "stage2": 40,
-                                                               "vanilla-sft": 40})
+    steps: dict[str, int] = field(default_factory=lambda: {"base": 1500, "base2": 100, "base3": 400, "stage1": 60, "stage2": 120,
+                                                               "vanilla-sft": 120})
     batch: dict[str, int] = field(default_factory=dict)  # global_batch_size overrides ({} = the recipe's)
     first_chunk: int = 128
     stride: int = 128
     interval: int = 32
-    max_refill: int = 128
+    max_refill: int = 96  # 3 spans of 32: keeps the 960-token budget under 25 % (128 gave 27 %)
     working_window: int = 1024
     eval_lengths: tuple[int, ...] = (960, 4096, 8192, 16384)
     eval_tasks: tuple[str, ...] = ("niah_single", "niah_multikey", "vt", "squad")
-    eval_examples: int = 3  # per task and length (CPU time: a 16K full-attention answer takes ~10 s here)
+    eval_examples: int = 5  # per task and length (CPU time: a 16K full-attention answer takes ~10 s here)
     squad_max_length: int = 4096  # SQuAD rows only up to this context length (CPU time)
     max_new_tokens: int = 24
     baselines: tuple[str, ...] = ("full", "truncated", "cachefocus:n=1", "infoflow")  # n=1: a 4-layer model
@@ -173,8 +173,8 @@ class Study:
     def step_streams(self) -> None:
         from transformers import AutoTokenizer
 
-        from .data import (StreamSettings, base2_documents, base3_documents, base_documents, stage1_documents,
-                           stage2_conversations, write_jsonl)
+        from .data import (StreamSettings, base2_documents, drill_conversations, stage1_documents, stage2_conversations,
+                           task_conversations, write_jsonl)
 
         c = self.config
         tok = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
@@ -183,12 +183,13 @@ class Study:
                            stage1_docs=c.stage1_docs, stage2_samples=c.stage2_samples,
                            stage2_max_context=c.stage2_max_context)
         exclude = self.eval_questions(tok)
-        for name, gen in (("base", base_documents), ("base2", base2_documents), ("base3", base3_documents),
-                          ("stage1", stage1_documents),
-                          ("stage2", stage2_conversations)):
+        streams = {"base": lambda: drill_conversations(s), "base2": lambda: base2_documents(tok, s, exclude),
+                   "base3": lambda: task_conversations(tok, s, exclude),
+                   "stage1": lambda: stage1_documents(tok, s, exclude), "stage2": lambda: stage2_conversations(tok, s, exclude)}
+        for name, records in streams.items():
             if self.stream(name).is_file():
                 continue
-            n = write_jsonl(gen(tok, s, exclude), self.stream(name))
+            n = write_jsonl(records(), self.stream(name))
             self.log(f"  stream {name}: {n} records -> {self.stream(name)}")
 
     def _overrides(self, step: str) -> list[str]:
@@ -197,16 +198,18 @@ class Study:
         stream = self.stream({"base": "base", "base2": "base2", "base3": "base3", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step])
         out = [f"output_root={self.root / 'runs'}", f"data.path={data}", f"data.prepare.inputs=[{stream}]",
                f"data.prepare.tokenizer={self.tokenizer_dir}", f"train.max_steps={c.steps[step]}"]
-        if step in c.batch:
-            out.append(f"train.global_batch_size={c.batch[step]}")
+        if step in c.batch:  # (smoke sizes) one sample per micro-batch, so any global batch splits
+            out += [f"train.global_batch_size={c.batch[step]}", "train.micro_batch_size=1"]
         if step == "base":
             out += [f"model.tiny_config.{k}={v}" for k, v in c.model.items()]
         if step == "base2":
             out.append(f"model.source={self.phase1_dir}")
         if step == "base3":
             out.append(f"model.source={self.phase2_dir}")
-        if step in ("base", "base2", "base3"):
+        if step == "base2":  # language modelling: one whole window per document
             out += [f"data.prepare.min_length={c.window}", f"data.prepare.max_length={c.window}"]
+        elif step in ("base", "base3"):  # conversations up to the window
+            out.append(f"data.prepare.max_length={c.window}")
         else:
             out += [f"model.source={self.base_dir}", f"data.prepare.first_chunk={c.first_chunk}",
                     f"data.prepare.stride={c.stride}", f"data.prepare.intervals=[{c.interval}]"]
