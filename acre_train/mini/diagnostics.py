@@ -30,3 +30,36 @@ def answer_nll(model, tokenizer, examples) -> dict[str, Any]:
         total += float(nll[keep].sum())
         count += len(keep)
     return {"nll_per_token": total / count, "examples": len(examples), "digit_chance": math.log(10)}
+
+
+@torch.no_grad()
+def drill_accuracy(model, tokenizer, facts: int, drills: int = 12, seed: int = 12345) -> dict[str, Any]:
+    """Teacher-forced accuracy on key-value drills with ``facts`` needles (``data.drill_conversation``):
+    the share of answers whose every label token (space, 7 digits, end of turn) is the argmax, and of
+    answers whose first digit is. Chance for a first digit is about 1/10; picking a random one of the
+    drill's values gives 1/facts.
+
+    >>> drill_accuracy(model, tokenizer, facts=2)  # doctest: +SKIP
+    {'facts': 2, 'answers': 24, 'exact': 0.29, 'first_digit': 0.58}
+    """
+    import random
+
+    from ..data.chat import render_conversation
+    from .data import drill_conversation
+
+    rng = random.Random(seed)
+    exact = first = answers = 0
+    for _ in range(drills):
+        r = render_conversation(tokenizer, drill_conversation(rng, facts))
+        ids = torch.as_tensor(r.input_ids)[None]
+        labels = torch.as_tensor(r.labels)
+        pred = model(input_ids=ids).logits[0, :-1].argmax(-1)
+        keep = labels[1:] != -100
+        hit, starts = (pred[keep] == labels[1:][keep]), torch.nonzero(keep).flatten()
+        # Label runs are answers: a new answer starts where the label positions jump.
+        bounds = [0] + [i for i in range(1, len(starts)) if starts[i] != starts[i - 1] + 1] + [len(starts)]
+        for a, b in zip(bounds, bounds[1:]):
+            answers += 1
+            exact += bool(hit[a:b].all())
+            first += bool(hit[a + 1]) if b - a > 1 else False
+    return {"facts": facts, "answers": answers, "exact": round(exact / answers, 3), "first_digit": round(first / answers, 3)}
