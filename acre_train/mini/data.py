@@ -12,12 +12,7 @@ Streams:
 * **base** (phase 1 of pretraining the base from scratch): key-value drills as ``messages``
   conversations (``drill_conversation``): 2..8 needles in the needle tasks' wording, then one question
   per key; trained with the stage-2 collator, so the loss sees only the answers.
-* **base2** (phase 2, language modelling at the full window): documents of at least ``window``
-  tokens, each a pack of whole retrieval examples (EOS-separated; contexts of 16%..78% of the window,
-  at least 160 tokens) padded at the end with Python-reference text, or plain Python-reference text.
-  Stage-1 preparation with ``min_length = max_length = window`` and ``pack: false`` cuts exactly one
-  span of ``window`` tokens from the head of each document, so no example is split between spans.
-* **base3** (phase 3): the harness's tasks as conversations with contexts of 128 tokens up to the
+* **base2** (phase 2): the harness's tasks as conversations with contexts of 128 tokens up to the
   window (every multi-key needle asked), and drills with reference text between the facts.
 * **stage1** (ACRE stage 1): the same construction at ``long_window`` tokens (longer than the base
   window): one long retrieval example (context up to ``long_window - 200``), then padding text.
@@ -53,7 +48,7 @@ PLAIN_QA_TEMPLATE = (
 )
 
 # Seeds: training streams draw from these ranges; evaluation uses EVAL_SEED (never used in training).
-SEEDS = {"base": 1000, "stage1": 2000, "stage2": 3000, "tokenizer": 4000, "base2": 5000, "base3": 6000}
+SEEDS = {"base": 1000, "stage1": 2000, "stage2": 3000, "tokenizer": 4000, "base2": 5000}
 EVAL_SEED = 777_001
 RETRIEVAL_KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
 _NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
@@ -139,11 +134,9 @@ class StreamSettings:
     window: int = 1024  # tokens per base-pretraining span (the base model's native window)
     long_window: int = 3072  # tokens per stage-1 span (longer than the base window)
     base_docs: int = 24000  # phase-1 key-value drills (conversations)
-    base2_docs: int = 1000  # phase-2 language-modelling documents (each yields one span of `window` tokens)
-    base3_docs: int = 4000  # phase-3 task conversations (contexts up to the window)
+    base2_docs: int = 4000  # phase-2 task conversations (contexts up to the window)
     drill_max_facts: int = 8  # facts per drill: 2..this
     drill_share: float = 0.3  # share of phase-3 records that are drills (with reference text between facts)
-    text_share: float = 0.25  # share of base documents that are plain reference text
     stage1_docs: int = 160
     stage2_samples: int = 320
     stage2_max_context: int = 2600  # stage-2 context lengths are drawn up to this (tokens)
@@ -189,7 +182,7 @@ class _Pool:
 
 
 MIXED_KINDS = ("niah_single", "niah_multikey", "niah_multikey", "niah_multivalue", "vt")
-# Phase 2 of base pretraining: dense key-value retrieval first (the copy skill every task needs).
+# Phase 2 of base pretraining: multi-key heavy (the lookup every task needs).
 DENSE_KINDS = ("niah_single", "niah_multikey", "niah_multikey", "niah_multikey", "niah_multivalue", "vt")
 
 
@@ -197,51 +190,6 @@ def _pick_kind(rng: random.Random, squad_share: float, kinds: tuple[str, ...] = 
     if rng.random() < squad_share:
         return "squad"
     return rng.choice(kinds)
-
-
-def base_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base"],
-                   log=print, *, docs: int | None = None, text_share: float | None = None,
-                   squad_share: float | None = None, kinds: tuple[str, ...] = MIXED_KINDS,
-                   fractions: tuple[float, ...] = (0.16, 0.22, 0.31, 0.44, 0.56, 0.69, 0.78),
-                   ) -> Iterator[dict[str, Any]]:
-    """Base-pretraining documents (see the module docstring). Phase 2 (``base2_documents``) uses
-    shorter contexts, fewer text documents and more multi-key examples."""
-    rng = random.Random(seed)
-    text_share = s.text_share if text_share is None else text_share
-    squad_share = s.squad_share if squad_share is None else squad_share
-    pool = _Pool(tokenizer, seed * 100, exclude_questions)
-    budget = s.window - 24  # room for EOS separators and tokenisation drift at the joins
-    for i in range(s.base_docs if docs is None else docs):
-        if rng.random() < text_share:
-            yield {"text": _fit(tokenizer, _filler(rng, 6 * s.window), s.window), "meta": {"kind": "text"}}
-            continue
-        parts, used = [], 0
-        while True:
-            sizes = sorted({max(160, int(f * s.window)) for f in fractions})
-            fits = [n for n in sizes if used + n + 80 <= budget]
-            if not fits:
-                break
-            length = rng.choice(fits)
-            kind = _pick_kind(rng, squad_share, kinds)
-            text = qa_text(pool.take(kind, length), dense=True)
-            n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if used + n + 1 > budget:
-                break
-            parts.append(text)
-            used += n + 1
-        if not parts:
-            continue
-        text = EOS.join(parts) + EOS + _filler(rng, 6 * (s.window - used) + 400)
-        yield {"text": _fit(tokenizer, text, s.window), "meta": {"kind": "retrieval", "examples": len(parts)}}
-        if log and (i + 1) % 500 == 0:
-            log(f"  base documents: {i + 1}")
-
-
-def base2_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base2"],
-                    log=print) -> Iterator[dict[str, Any]]:
-    """Phase-2 base documents (language modelling at the full window): reference text and packs of
-    whole retrieval examples (see ``base_documents``)."""
-    yield from base_documents(tokenizer, s, exclude_questions, seed, log, docs=s.base2_docs)
 
 
 def drill_conversation(rng: random.Random, facts: int, filler: float = 0.0) -> list[dict[str, str]]:
@@ -291,14 +239,14 @@ def qa_conversation(ex: Example, dense: bool = False) -> list[dict[str, str]]:
     return messages
 
 
-def task_conversations(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base3"],
+def task_conversations(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["base2"],
                        log=print) -> Iterator[dict[str, Any]]:
-    """Phase-3 base records: the harness's own tasks with contexts of 128 tokens up to the window
+    """Phase-2 base records: the harness's own tasks with contexts of 128 tokens up to the window
     (``drill_share`` of them: drills with reference text between the facts)."""
     rng = random.Random(seed)
     pool = _Pool(tokenizer, seed * 100, exclude_questions)
     top = s.window - 160  # room for the instruction, the question and the answer
-    for i in range(s.base3_docs):
+    for i in range(s.base2_docs):
         if rng.random() < s.drill_share:
             facts = rng.randint(2, s.drill_max_facts)
             yield {"messages": drill_conversation(rng, facts, filler=rng.choice((0.5, 1.0))),
@@ -308,7 +256,7 @@ def task_conversations(tokenizer, s: StreamSettings, exclude_questions: set[str]
         ex = pool.take(_pick_kind(rng, s.squad_share, DENSE_KINDS), length)
         yield {"messages": qa_conversation(ex, dense=True), "meta": {"kind": ex.task, "context_tokens": length}}
         if log and (i + 1) % 1000 == 0:
-            log(f"  phase-3 records: {i + 1}")
+            log(f"  phase-2 records: {i + 1}")
 
 
 def stage1_documents(tokenizer, s: StreamSettings, exclude_questions: set[str], seed: int = SEEDS["stage1"],

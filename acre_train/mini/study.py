@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes" / "mini"
-STEPS = ("tokenizer", "streams", "base", "base2", "base3", "export-base", "stage1", "stage2", "vanilla-sft", "eval", "report")
+STEPS = ("tokenizer", "streams", "base", "base2", "export-base", "stage1", "stage2", "vanilla-sft", "eval", "report")
 
 
 @dataclass
@@ -33,12 +33,11 @@ class StudyConfig:
     window: int = 1024
     long_window: int = 3072
     base_docs: int = 24000  # phase-1 drills (one epoch of 1,500 steps x 16)
-    base2_docs: int = 1000
-    base3_docs: int = 4000
+    base2_docs: int = 4000  # phase-2 task conversations
     stage1_docs: int = 200
     stage2_samples: int = 480
     stage2_max_context: int = 2600
-    steps: dict[str, int] = field(default_factory=lambda: {"base": 1500, "base2": 100, "base3": 400, "stage1": 60, "stage2": 120,
+    steps: dict[str, int] = field(default_factory=lambda: {"base": 1500, "base2": 500, "stage1": 60, "stage2": 120,
                                                                "vanilla-sft": 120})
     batch: dict[str, int] = field(default_factory=dict)  # global_batch_size overrides ({} = the recipe's)
     first_chunk: int = 128
@@ -66,9 +65,9 @@ class StudyConfig:
             name="smoke", vocab_size=512,
             model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=640),
-            window=384, long_window=640, base_docs=16, base2_docs=16, base3_docs=16, stage1_docs=6, stage2_samples=8, stage2_max_context=500,
-            steps={"base": 3, "base2": 2, "base3": 2, "stage1": 2, "stage2": 2, "vanilla-sft": 2},
-            batch={"base": 4, "base2": 4, "base3": 4, "stage1": 2, "stage2": 2, "vanilla-sft": 2},
+            window=384, long_window=640, base_docs=16, base2_docs=16, stage1_docs=6, stage2_samples=8, stage2_max_context=500,
+            steps={"base": 3, "base2": 2, "stage1": 2, "stage2": 2, "vanilla-sft": 2},
+            batch={"base": 4, "base2": 4, "stage1": 2, "stage2": 2, "vanilla-sft": 2},
             first_chunk=64, stride=64, interval=16, max_refill=32, working_window=384,
             eval_lengths=(300, 900), eval_tasks=("niah_single", "squad"), eval_examples=1, max_new_tokens=4,
             selfcheck_length=160, selfcheck_examples=2,
@@ -94,7 +93,7 @@ class Study:
         return self.root / "streams" / f"{name}.jsonl"
 
     def run_dir(self, step: str) -> Path:
-        return self.root / "runs" / {"base": "base", "base2": "base2", "base3": "base3", "stage1": "acre-stage1", "stage2": "acre-stage2",
+        return self.root / "runs" / {"base": "base", "base2": "base2", "stage1": "acre-stage1", "stage2": "acre-stage2",
                                      "vanilla-sft": "vanilla-sft"}[step]
 
     @property
@@ -104,10 +103,6 @@ class Study:
     @property
     def phase1_dir(self) -> Path:
         return self.root / "base_phase1"
-
-    @property
-    def phase2_dir(self) -> Path:
-        return self.root / "base_phase2"
 
     # ------------------------------------------------------------------------------ running
 
@@ -138,8 +133,8 @@ class Study:
         if step == "tokenizer":
             return (self.tokenizer_dir / "tokenizer.json").is_file()
         if step == "streams":
-            return all(self.stream(n).is_file() for n in ("base", "base2", "base3", "stage1", "stage2"))
-        if step in ("base", "base2", "base3", "stage1", "stage2", "vanilla-sft"):
+            return all(self.stream(n).is_file() for n in ("base", "base2", "stage1", "stage2"))
+        if step in ("base", "base2", "stage1", "stage2", "vanilla-sft"):
             ckpt = latest_checkpoint(self.run_dir(step))
             if ckpt is None:
                 return False
@@ -173,18 +168,16 @@ class Study:
     def step_streams(self) -> None:
         from transformers import AutoTokenizer
 
-        from .data import (StreamSettings, base2_documents, drill_conversations, stage1_documents, stage2_conversations,
+        from .data import (StreamSettings, drill_conversations, stage1_documents, stage2_conversations,
                            task_conversations, write_jsonl)
 
         c = self.config
         tok = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
         s = StreamSettings(window=c.window, long_window=c.long_window, base_docs=c.base_docs, base2_docs=c.base2_docs,
-                           base3_docs=c.base3_docs,
                            stage1_docs=c.stage1_docs, stage2_samples=c.stage2_samples,
                            stage2_max_context=c.stage2_max_context)
         exclude = self.eval_questions(tok)
-        streams = {"base": lambda: drill_conversations(s), "base2": lambda: base2_documents(tok, s, exclude),
-                   "base3": lambda: task_conversations(tok, s, exclude),
+        streams = {"base": lambda: drill_conversations(s), "base2": lambda: task_conversations(tok, s, exclude),
                    "stage1": lambda: stage1_documents(tok, s, exclude), "stage2": lambda: stage2_conversations(tok, s, exclude)}
         for name, records in streams.items():
             if self.stream(name).is_file():
@@ -194,8 +187,8 @@ class Study:
 
     def _overrides(self, step: str) -> list[str]:
         c = self.config
-        data = self.root / "data" / {"base": "base", "base2": "base2", "base3": "base3", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step]
-        stream = self.stream({"base": "base", "base2": "base2", "base3": "base3", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step])
+        data = self.root / "data" / {"base": "base", "base2": "base2", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step]
+        stream = self.stream({"base": "base", "base2": "base2", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step])
         out = [f"output_root={self.root / 'runs'}", f"data.path={data}", f"data.prepare.inputs=[{stream}]",
                f"data.prepare.tokenizer={self.tokenizer_dir}", f"train.max_steps={c.steps[step]}"]
         if step in c.batch:  # (smoke sizes) one sample per micro-batch, so any global batch splits
@@ -204,11 +197,7 @@ class Study:
             out += [f"model.tiny_config.{k}={v}" for k, v in c.model.items()]
         if step == "base2":
             out.append(f"model.source={self.phase1_dir}")
-        if step == "base3":
-            out.append(f"model.source={self.phase2_dir}")
-        if step == "base2":  # language modelling: one whole window per document
-            out += [f"data.prepare.min_length={c.window}", f"data.prepare.max_length={c.window}"]
-        elif step in ("base", "base3"):  # conversations up to the window
+        if step in ("base", "base2"):  # conversations up to the window
             out.append(f"data.prepare.max_length={c.window}")
         else:
             out += [f"model.source={self.base_dir}", f"data.prepare.first_chunk={c.first_chunk}",
@@ -222,7 +211,7 @@ class Study:
         return out
 
     def train(self, step: str) -> None:
-        recipe = RECIPES / {"base": "base.yaml", "base2": "base_phase2.yaml", "base3": "base_phase3.yaml", "stage1": "stage1.yaml", "stage2": "stage2.yaml",
+        recipe = RECIPES / {"base": "base.yaml", "base2": "base_phase2.yaml", "stage1": "stage1.yaml", "stage2": "stage2.yaml",
                             "vanilla-sft": "vanilla_sft.yaml"}[step]
         cmd = [sys.executable, "-m", "acre_train.cli", "train", str(recipe), *self._overrides(step),
                "checkpoint.resume_from_checkpoint=latest"]  # a fresh start when the run has no checkpoint
@@ -257,11 +246,6 @@ class Study:
         self.export_phase(self.run_dir("base") / "base_model", "base", self.phase1_dir)
         self.train("base2")
 
-    def step_base3(self) -> None:
-        """Phase 3 of base pretraining (key-value drill), continuing from the phase-2 weights."""
-        self.export_phase(self.phase1_dir, "base2", self.phase2_dir)
-        self.train("base3")
-
     def step_stage1(self) -> None:
         self.train("stage1")
 
@@ -273,7 +257,7 @@ class Study:
 
     def step_export_base(self) -> None:
         """The trained base as a plain HF folder (safetensors + config + tokenizer) + its self-check."""
-        self.export_phase(self.phase2_dir, "base3", self.base_dir)
+        self.export_phase(self.phase1_dir, "base2", self.base_dir)
 
     # ------------------------------------------------------------------------------ evaluation
 
