@@ -401,7 +401,7 @@ def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task
     from ..eval.methods import parse_method
     from ..eval.tasks import build_task
     from .data import EVAL_SEED
-    from .diagnostics import answer_nll
+    from .diagnostics import answer_nll, drill_accuracy
 
     config = config or StudyConfig()
     task = task or config.selfcheck_task
@@ -413,6 +413,9 @@ def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task
     rep = evaluate(model, tok, exs, [parse_method("full")], config=EvalConfig(max_new_tokens=16, progress=False))
     score = sum(r["score"] for r in rep.rows) / len(rep.rows)
     nll = answer_nll(model, tok, exs)
+    # The drills the base was pretrained on (no filler), by number of facts: what it can look up.
+    drills = {str(f): drill_accuracy(model, tok, f) for f in (1, 2, 4)}
     return {"task": task, "context_tokens": context_tokens, "examples": examples, "seed": EVAL_SEED + 1,
             "method": "full", "metric": exs[0].metric, "score": score,
-            "answer_nll_per_token": round(nll["nll_per_token"], 4), "digit_chance_nll": round(nll["digit_chance"], 4)}
+            "answer_nll_per_token": round(nll["nll_per_token"], 4), "digit_chance_nll": round(nll["digit_chance"], 4),
+            "drills": drills}
