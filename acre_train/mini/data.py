@@ -136,7 +136,7 @@ class StreamSettings:
     base_docs: int = 24000  # phase-1 key-value drills (conversations)
     base2_docs: int = 4000  # phase-2 task conversations (contexts up to the window)
     drill_max_facts: int = 8  # facts per drill: 2..this
-    drill_share: float = 0.3  # share of phase-3 records that are drills (with reference text between facts)
+    drill_share: float = 0.3  # share of phase-2 records that are drills (with reference text between facts)
     stage1_docs: int = 160
     stage2_samples: int = 320
     stage2_max_context: int = 2600  # stage-2 context lengths are drawn up to this (tokens)
