@@ -73,6 +73,10 @@ def test_jsonl_roundtrip_and_errors(tmp_path, tok):
     bad.write_text(json.dumps({"id": 1, "question": "q", "answers": ["a"], "context": "c", "documnets": []}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: unknown field\(s\) \['documnets'\]"):
         load_jsonl(bad)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(exs[0].to_dict()) + "\n\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl:3: malformed JSON"):
+        load_jsonl(broken)
     with pytest.raises(ValueError, match="exactly one of"):
         Example(id="x", question="q", answers=["a"], context="c", documents=["d"])
     with pytest.raises(ValueError, match="out of range"):

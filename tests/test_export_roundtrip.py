@@ -136,6 +136,11 @@ def test_generate_and_chat_commands_answer_from_an_export(exports, tmp_path, cap
     assert [r["id"] for r in out] == ["q1", "q2"] and [r["cache_reused"] for r in out] == [False, True]
     for key in ("answer", "build_s", "score_s", "refill_s", "prefill_s", "decode_s", "peak_memory_mib", "k"):
         assert key in out[0]
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"id": "q3", "question": "?"}) + "\n")
+    assert cli_main(["generate", str(full), "--input", str(tmp_path / "bad.jsonl"), "--output",
+                     str(tmp_path / "bad-out.jsonl")]) == 2
+    assert "bad.jsonl:2: a row needs 'question' and 'context'" in capsys.readouterr().err
+    assert not (tmp_path / "bad-out.jsonl").exists()
 
     from acre_train.infer.cli import run_chat
     from acre_train.cli import build_parser_for

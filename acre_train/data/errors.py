@@ -21,6 +21,7 @@ class InputProblems:
     """
 
     strict: bool = False
+    strict_hint: str = " [--strict: stopping at the first bad record]"  # appended to the raised message
     max_logged: int = 20
     max_kept: int = 100
     counts: Counter = field(default_factory=Counter)
@@ -31,7 +32,7 @@ class InputProblems:
         where = f"{source}:{line}" if line is not None else source
         message = f"{where}: {reason}" + (f" ({detail})" if detail else "")
         if self.strict:
-            raise DataError(message + " [--strict: stopping at the first bad record]")
+            raise DataError(message + self.strict_hint)
         total = sum(self.counts.values())
         self.counts[reason] += 1
         if len(self.examples) < self.max_kept:

@@ -127,6 +127,12 @@ def _read_jsonl(path: Path, problems: InputProblems) -> Iterator[Record]:
             yield Record(data, source, lineno)
 
 
+def read_jsonl_strict(path: str | os.PathLike) -> Iterator[Record]:
+    """Records of one JSONL file (plain, .gz or .zst); the first bad line raises :class:`DataError`
+    naming the file and line (for inputs where skipping a row would silently change a result)."""
+    return _read_jsonl(Path(path), InputProblems(strict=True, strict_hint=""))
+
+
 def _read_json_lines_or_array(path: Path, problems: InputProblems) -> Iterator[Record]:
     """``.json``: a JSON array of objects, or JSON lines under a ``.json`` name."""
     with open(path, encoding="utf-8") as handle:

@@ -94,16 +94,9 @@ class Example:
 
 def load_jsonl(path: str | Path) -> list[Example]:
     """Read a task file; errors name the file and line."""
-    out: list[Example] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
-            out.append(Example.from_dict(d, where=f"{path}:{n}: "))
+    from ..data.readers import read_jsonl_strict
+
+    out = [Example.from_dict(r.data, where=f"{r.where}: ") for r in read_jsonl_strict(path)]
     if not out:
         raise ValueError(f"{path}: no examples")
     ids = [e.id for e in out]

@@ -113,26 +113,23 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Rows of the input JSONL; a malformed row is an error naming its line."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"{path}:{line_no}: not JSON ({exc})") from None
-            if not isinstance(row, dict) or "question" not in row or not ("context" in row or "context_file" in row):
-                raise SystemExit(f"{path}:{line_no}: a row needs 'question' and 'context' or 'context_file'")
-            yield line_no, row
+    from ..data.readers import read_jsonl_strict
+
+    for record in read_jsonl_strict(path):
+        row = record.data
+        if "question" not in row or not ("context" in row or "context_file" in row):
+            raise ValueError(f"{record.where}: a row needs 'question' and 'context' or 'context_file'")
+        yield record.line, row
 
 
 @user_errors
 def run_generate(args: argparse.Namespace) -> int:
     engine = make_engine(args)
+    rows = list(read_rows(args.input))  # a bad row fails before any answer or output file
     caches: dict[str, Any] = {}  # context hash -> cache; rows sharing a context reuse its cache
     count = 0
     with open(args.output, "w", encoding="utf-8") as out:
-        for line_no, row in read_rows(args.input):
+        for line_no, row in rows:
             context = row["context"] if "context" in row else Path(row["context_file"]).read_text(encoding="utf-8")
             key = hashlib.sha256(context.encode("utf-8")).hexdigest()
             reused = key in caches
