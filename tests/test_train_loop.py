@@ -65,6 +65,12 @@ def test_resume_continues_exactly(workdir):
     assert meta["step"] == 4 and meta["samples_seen"] == 4 * 4 and meta["base_model"]["source"] == "tiny:qwen2"
 
 
+def test_prepared_data_made_from_other_inputs_is_refused(workdir):
+    run(recipe(workdir, "fresh"))  # prepares data1 (or reuses it: same settings and inputs)
+    with pytest.raises(ValueError, match="made with other settings or inputs.*data.prepare.overwrite=true"):
+        run(recipe(workdir, "stale", "data.prepare.token_budget=13000"))
+
+
 def test_base_is_frozen_and_checkpoints_hold_only_l1_state(workdir):
     trainer, result = run(recipe(workdir, "frozen"))
     fresh = tiny_model("qwen2", seed=0, vocab_size=1024, eos_token_id=0)

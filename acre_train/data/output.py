@@ -74,7 +74,8 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
     if path.exists() and not overwrite:
         raise DataError(
             f"{path} exists and was made with other settings or inputs (or is incomplete); "
-            "pass --overwrite to replace it or choose another --output"
+            "pass --overwrite (in a recipe: data.prepare.overwrite=true) to replace it, or choose another "
+            "output (data.path)"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))

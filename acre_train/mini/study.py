@@ -33,11 +33,11 @@ class StudyConfig:
     window: int = 1024
     long_window: int = 3072
     base_docs: int = 24000  # phase-1 drills (one epoch of 1,500 steps x 16)
-    base2_docs: int = 4000  # phase-2 task conversations
+    base2_docs: int = 12800  # phase-2 needle-task conversations (800 steps x 16, in curriculum order)
     stage1_docs: int = 200
     stage2_samples: int = 480
     stage2_max_context: int = 2600
-    steps: dict[str, int] = field(default_factory=lambda: {"base": 1500, "base2": 500, "stage1": 60, "stage2": 120,
+    steps: dict[str, int] = field(default_factory=lambda: {"base": 1500, "base2": 800, "stage1": 60, "stage2": 120,
                                                                "vanilla-sft": 120})
     batch: dict[str, int] = field(default_factory=dict)  # global_batch_size overrides ({} = the recipe's)
     first_chunk: int = 128
@@ -177,7 +177,7 @@ class Study:
                            stage1_docs=c.stage1_docs, stage2_samples=c.stage2_samples,
                            stage2_max_context=c.stage2_max_context)
         exclude = self.eval_questions(tok)
-        streams = {"base": lambda: drill_conversations(s), "base2": lambda: task_conversations(tok, s, exclude),
+        streams = {"base": lambda: drill_conversations(s), "base2": lambda: task_conversations(tok, s),
                    "stage1": lambda: stage1_documents(tok, s, exclude), "stage2": lambda: stage2_conversations(tok, s, exclude)}
         for name, records in streams.items():
             if self.stream(name).is_file():

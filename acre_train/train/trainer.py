@@ -80,10 +80,12 @@ class Trainer:
     def open_data(self) -> None:
         """Prepare (rank 0, if asked and missing) and load the dataset; plan the batches."""
         from ..data import load_prepared
-        from ..data.output import read_manifest
 
         r = self.recipe
-        if read_manifest(Path(r.data.path)) is None and r.data.prepare is not None:
+        # With data.prepare, always ask the preparation: it reuses data.path only when settings, inputs
+        # and tokenizer match its fingerprint, and refuses a directory made from anything else -- an
+        # edited input file must not train on the stale copy.
+        if r.data.prepare is not None:
             if self.info.is_main:
                 from ..data import prepare_stage1, prepare_stage2
 
