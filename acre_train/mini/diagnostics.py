@@ -3,6 +3,10 @@
 ``answer_nll``: mean negative log-likelihood (nats per token) of the gold answer's tokens after the
 harness prompt, full attention. A model that cannot retrieve the needle's value can still learn the
 answer's *format* (7 digits): chance for a uniformly random digit is ln 10 = 2.303 nats.
+
+``drill_accuracy`` / ``needle_accuracy``: teacher-forced answers on the pretraining drills and on the
+harness's needle tasks, split into *whole answer* and *first digit*: the first digit needs the lookup
+(which needle), the other six the copy's continuation, and a base can have one without the other.
 """
 
 from __future__ import annotations
@@ -30,6 +34,36 @@ def answer_nll(model, tokenizer, examples) -> dict[str, Any]:
         total += float(nll[keep].sum())
         count += len(keep)
     return {"nll_per_token": total / count, "examples": len(examples), "digit_chance": math.log(10)}
+
+
+def _first_and_exact(hit: torch.Tensor) -> tuple[bool, bool]:
+    """``hit``: per-token argmax hits of one answer (leading space first); (first digit, every token)."""
+    return (bool(hit[1]) if len(hit) > 1 else False), bool(hit.all())
+
+
+@torch.no_grad()
+def needle_accuracy(model, tokenizer, task: str, context_tokens: int, examples: int = 20,
+                    seed: int | None = None) -> dict[str, Any]:
+    """Teacher-forced accuracy on a harness needle task (full attention, the harness's prompt): the
+    share of answers whose every token is the argmax, and of answers whose first digit is.
+
+    >>> needle_accuracy(model, tokenizer, "niah_single", 256)  # doctest: +SKIP
+    {'task': 'niah_single', 'context_tokens': 256, 'examples': 20, 'exact': 0.1, 'first_digit': 0.3}
+    """
+    from ..eval.prompt import prepare_example
+    from ..eval.tasks import build_task
+    from .data import EVAL_SEED, answer_text
+
+    exs = build_task(task, tokenizer, context_tokens, examples, EVAL_SEED + 1 if seed is None else seed)
+    exact = first = 0
+    for ex in exs:
+        prompt = prepare_example(tokenizer, ex).prompt_ids()
+        answer = tokenizer(" " + answer_text(ex), add_special_tokens=False)["input_ids"]
+        pred = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        f, e = _first_and_exact(pred == torch.tensor(answer))
+        first, exact = first + f, exact + e
+    return {"task": task, "context_tokens": context_tokens, "examples": len(exs),
+            "exact": round(exact / len(exs), 3), "first_digit": round(first / len(exs), 3)}
 
 
 @torch.no_grad()
@@ -60,6 +94,6 @@ def drill_accuracy(model, tokenizer, facts: int, drills: int = 12, seed: int = 1
         bounds = [0] + [i for i in range(1, len(starts)) if starts[i] != starts[i - 1] + 1] + [len(starts)]
         for a, b in zip(bounds, bounds[1:]):
             answers += 1
-            exact += bool(hit[a:b].all())
-            first += bool(hit[a + 1]) if b - a > 1 else False
+            f, e = _first_and_exact(hit[a:b])
+            first, exact = first + f, exact + e
     return {"facts": facts, "answers": answers, "exact": round(exact / answers, 3), "first_digit": round(first / answers, 3)}

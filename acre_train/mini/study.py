@@ -401,7 +401,7 @@ def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task
     from ..eval.methods import parse_method
     from ..eval.tasks import build_task
     from .data import EVAL_SEED
-    from .diagnostics import answer_nll, drill_accuracy
+    from .diagnostics import answer_nll, drill_accuracy, needle_accuracy
 
     config = config or StudyConfig()
     task = task or config.selfcheck_task
@@ -415,7 +415,10 @@ def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task
     nll = answer_nll(model, tok, exs)
     # The drills the base was pretrained on (no filler), by number of facts: what it can look up.
     drills = {str(f): drill_accuracy(model, tok, f) for f in (1, 2, 4)}
+    # A lone needle in reference text at growing lengths: where the lookup and the copy give out.
+    needles = [needle_accuracy(model, tok, "niah_single", n, examples) for n in (128, 256, 512)
+               if n <= context_tokens]
     return {"task": task, "context_tokens": context_tokens, "examples": examples, "seed": EVAL_SEED + 1,
             "method": "full", "metric": exs[0].metric, "score": score,
             "answer_nll_per_token": round(nll["nll_per_token"], 4), "digit_chance_nll": round(nll["digit_chance"], 4),
-            "drills": drills}
+            "drills": drills, "needles": needles}
