@@ -14,8 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default: checkpoints/mini, or checkpoints/mini-smoke with --smoke)")
     parser.add_argument("--steps", default=None,
                         help="comma-separated subset of: tokenizer,streams,base,base2,export-base,stage1,stage2,"
-                             "vanilla-sft,eval,report (default: all; finished steps are skipped)")
-    parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist")
+                             "vanilla-sft,eval,report (default: all; finished steps are skipped unless an earlier "
+                             "one re-ran)")
+    parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist (old outputs are kept as "
+                             "<name>.replaced-<time>; any later step named re-runs too)")
     parser.add_argument("--nice", type=int, default=0, help="run training subprocesses under nice -n N")
 
 

@@ -45,10 +45,12 @@ def _first_and_exact(hit: torch.Tensor) -> tuple[bool, bool]:
 def needle_accuracy(model, tokenizer, task: str, context_tokens: int, examples: int = 20,
                     seed: int | None = None) -> dict[str, Any]:
     """Teacher-forced accuracy on a harness needle task (full attention, the harness's prompt): the
-    share of answers whose every token is the argmax, and of answers whose first digit is.
+    share of answers whose every token is the argmax, of answers whose first digit is, and of answer
+    tokens after the leading space that are (``digits``: if each digit is found with probability p,
+    whole answers come out about p**7 of the time).
 
     >>> needle_accuracy(model, tokenizer, "niah_single", 256)  # doctest: +SKIP
-    {'task': 'niah_single', 'context_tokens': 256, 'examples': 20, 'exact': 0.1, 'first_digit': 0.3}
+    {'task': 'niah_single', 'context_tokens': 256, 'examples': 20, 'exact': 0.1, 'first_digit': 0.3, 'digits': 0.6}
     """
     from ..eval.prompt import prepare_example
     from ..eval.tasks import build_task
@@ -56,14 +58,18 @@ def needle_accuracy(model, tokenizer, task: str, context_tokens: int, examples: 
 
     exs = build_task(task, tokenizer, context_tokens, examples, EVAL_SEED + 1 if seed is None else seed)
     exact = first = 0
+    digits: list[float] = []
     for ex in exs:
         prompt = prepare_example(tokenizer, ex).prompt_ids()
         answer = tokenizer(" " + answer_text(ex), add_special_tokens=False)["input_ids"]
         pred = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].argmax(-1)
-        f, e = _first_and_exact(pred == torch.tensor(answer))
+        hit = pred == torch.tensor(answer)
+        f, e = _first_and_exact(hit)
         first, exact = first + f, exact + e
+        digits.append(float(hit[1:].float().mean()))
     return {"task": task, "context_tokens": context_tokens, "examples": len(exs),
-            "exact": round(exact / len(exs), 3), "first_digit": round(first / len(exs), 3)}
+            "exact": round(exact / len(exs), 3), "first_digit": round(first / len(exs), 3),
+            "digits": round(sum(digits) / len(digits), 3)}
 
 
 @torch.no_grad()

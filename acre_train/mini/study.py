@@ -82,6 +82,7 @@ class Study:
         self.log = log
         self.root.mkdir(parents=True, exist_ok=True)
         self.timings_file = self.root / "timings.json"
+        self.redo = False  # the step being run replaces earlier outputs (forced, or an earlier step re-ran)
 
     # ------------------------------------------------------------------------------ paths
 
@@ -110,22 +111,52 @@ class Study:
         return json.loads(self.timings_file.read_text()) if self.timings_file.is_file() else {}
 
     def run(self, steps: tuple[str, ...] = STEPS, force: bool = False) -> dict[str, Any]:
+        """Run ``steps`` in study order. A finished step is skipped unless ``force``d or an earlier step
+        re-ran in this call (its outputs were made from what that step replaced); a step that re-runs
+        first moves its old outputs aside (``<name>.replaced-<time>``), so nothing is lost and a
+        training step does not "resume" the finished run it should replace."""
+        unknown = [s for s in steps if s not in STEPS]
+        if unknown:
+            raise ValueError(f"unknown step {unknown[0]!r}; steps: {', '.join(STEPS)}")
         (self.root / "study_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        for step in steps:
-            if step not in STEPS:
-                raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
-            if not force and self.done(step):
+        upstream_ran = False
+        for step in sorted(steps, key=STEPS.index):
+            self.redo = force or upstream_ran
+            if not self.redo and self.done(step):
                 self.log(f"[mini] {step}: already done, skipped")
                 continue
+            if self.redo:
+                self.set_aside(step)
             self.log(f"[mini] {step}: start")
             began = time.time()
             getattr(self, "step_" + step.replace("-", "_"))()
+            upstream_ran = True
             elapsed = time.time() - began
             timings = self.timings()
             timings[step] = round(elapsed, 1)
             self.timings_file.write_text(json.dumps(timings, indent=2) + "\n")
             self.log(f"[mini] {step}: done in {elapsed:.1f}s")
         return self.timings()
+
+    def set_aside(self, step: str) -> None:
+        """Move a step's previous outputs to ``<name>.replaced-<time>`` before it runs again."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        old: list[Path] = []
+        if step == "streams":
+            old = [self.root / "streams"]
+        elif step in ("base", "base2", "stage1", "stage2", "vanilla-sft"):
+            old = [self.run_dir(step)]
+        elif step == "export-base":
+            old = [self.base_dir]
+        elif step == "eval":
+            old = [self.root / "eval"]
+        for path in (p for p in old if p.exists()):
+            target, n = path.with_name(f"{path.name}.replaced-{stamp}"), 1
+            while target.exists():
+                n += 1
+                target = path.with_name(f"{path.name}.replaced-{stamp}-{n}")
+            path.rename(target)
+            self.log(f"  previous {path.name} kept as {target.name}")
 
     def done(self, step: str) -> bool:
         from ..train.checkpoint import latest_checkpoint, read_meta
@@ -191,6 +222,8 @@ class Study:
         stream = self.stream({"base": "base", "base2": "base2", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step])
         out = [f"output_root={self.root / 'runs'}", f"data.path={data}", f"data.prepare.inputs=[{stream}]",
                f"data.prepare.tokenizer={self.tokenizer_dir}", f"train.max_steps={c.steps[step]}"]
+        if self.redo:  # the stream may have changed since data.path was prepared from it
+            out.append("data.prepare.overwrite=true")
         if step in c.batch:  # (smoke sizes) one sample per micro-batch, so any global batch splits
             out += [f"train.global_batch_size={c.batch[step]}", "train.micro_batch_size=1"]
         if step == "base":
