@@ -54,3 +54,18 @@ def test_drill_accuracy_counts_every_answer_of_a_drill(tok):
     assert got == {"facts": 3, "answers": 6, "exact": 1.0, "first_digit": 1.0}
     echo = drill_accuracy(Echo(v), tok, facts=2, drills=2)
     assert echo["answers"] == 4 and (echo["exact"], echo["first_digit"]) == (0.0, 0.0)
+
+
+def test_a_trained_tokenizer_saved_beside_a_qwen2_model_loads_as_trained(tok, tmp_path):
+    """transformers 5 would load it as Qwen2Tokenizer (by config.json's model_type), whose own
+    pre-tokenizer splits text differently from the tokenizer the model was trained with."""
+    from acre_train.data.tokenizer import auto_tokenizer, load_tokenizer
+    from acre_train.tiny import tiny_model
+
+    tiny_model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    text = "The value is: 8316078.\n\nQuestion: What is it?"
+    want = tok(text, add_special_tokens=False)["input_ids"]
+    for loaded in (auto_tokenizer(str(tmp_path)), load_tokenizer(str(tmp_path))):
+        assert loaded(text, add_special_tokens=False)["input_ids"] == want
+        assert loaded.chat_template == tok.chat_template and loaded.eos_token_id == tok.eos_token_id

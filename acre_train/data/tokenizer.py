@@ -9,18 +9,44 @@ from typing import Any
 from .errors import DataError
 
 
+GENERIC_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def auto_tokenizer(name: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained``, except that a folder whose ``tokenizer_config.json`` names
+    a generic fast class is loaded as exactly that ``tokenizer.json``.
+
+    Why: transformers 5 picks the tokenizer class from the ``model_type`` of a ``config.json`` in
+    the same folder, and e.g. ``Qwen2Tokenizer`` rebuilds the pre-tokenizer with Qwen's own regex --
+    a tokenizer trained here and saved beside a Qwen2 model then splits text differently from how
+    the model was trained (``"\\n\\n"`` becomes one token instead of two).
+    """
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(name) / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            cls = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+        except (OSError, ValueError):
+            cls = None
+        if cls in GENERIC_FAST_CLASSES and (Path(name) / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(name, **kwargs)
+    return AutoTokenizer.from_pretrained(name, **kwargs)
+
+
 def load_tokenizer(name: str) -> Any:
-    """``"tiny"`` / ``"tiny:<vocab>"``: :func:`tiny_tokenizer`; anything else: ``AutoTokenizer``."""
+    """``"tiny"`` / ``"tiny:<vocab>"``: :func:`tiny_tokenizer`; anything else: :func:`auto_tokenizer`."""
     if name == "tiny" or name.startswith("tiny:"):
         from .tiny_tokenizer import tiny_tokenizer
 
         vocab = name.partition(":")[2]
         tok = tiny_tokenizer(int(vocab)) if vocab else tiny_tokenizer()
     else:
-        from transformers import AutoTokenizer
-
         try:
-            tok = AutoTokenizer.from_pretrained(name)
+            tok = auto_tokenizer(name)
         except Exception as exc:  # many exception types: missing dir, offline hub, bad files
             raise DataError(f"could not load tokenizer {name!r}: {exc}") from exc
         if not getattr(tok, "is_fast", False):

@@ -67,18 +67,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_model(args, dtype, device):
     """An ACRE export (for the acre rows; plain calls run its base) or any supported causal LM."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from ..data.tokenizer import auto_tokenizer
     from ..export.load import NotAnAcreExport, check_export_dir, load_export
 
     try:
         check_export_dir(args.model)
     except NotAnAcreExport:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        tokenizer = auto_tokenizer(args.tokenizer or args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
                                                      attn_implementation=args.attn_implementation).to(device)
         return model, tokenizer
     model, tokenizer, _ = load_export(args.model, device=device, dtype=dtype)
     if args.tokenizer or tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        tokenizer = auto_tokenizer(args.tokenizer or args.model)
     return model, tokenizer

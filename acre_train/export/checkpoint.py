@@ -123,13 +123,13 @@ def load_tokenizer(spec: str | None, fallback: str | None) -> Any:
         from ..data.tiny_tokenizer import tiny_tokenizer
 
         return tiny_tokenizer()
-    from transformers import AutoTokenizer
+    from ..data.tokenizer import auto_tokenizer
 
     for candidate in (spec, fallback):
         if not candidate:
             continue
         try:
-            return AutoTokenizer.from_pretrained(candidate)
+            return auto_tokenizer(candidate)
         except (OSError, ValueError):
             continue
     return None

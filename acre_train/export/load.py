@@ -41,15 +41,16 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
     model = AcreForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
     tokenizer = None
     if any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
+
+        from ..data.tokenizer import auto_tokenizer
 
         # The tokenizer needs none of the custom code; without this flag transformers would ask
         # interactively (config.json has an auto_map). Its "model of type acre" notice is noise here.
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            tokenizer = auto_tokenizer(str(path), trust_remote_code=False)
         finally:
             hf_logging.set_verbosity(level)
     return model, tokenizer, data

@@ -108,6 +108,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def base_check_lines(check: dict[str, Any]) -> list[str]:
+    """The base model's self-check (``study.self_check``) as a sentence and a small table."""
+    lines = [f"Base self-check (full attention, seed {check['seed']}): {check['task']} at {check['context_tokens']} "
+             f"tokens {check['score']:.2f} over {check['examples']} examples; answer NLL "
+             f"{check['answer_nll_per_token']} nats/digit (chance {check['digit_chance_nll']}).", "",
+             "| teacher-forced | exact answers | first digit | digits |", "|---|---:|---:|---:|"]
+    for d in check.get("drills", {}).values():
+        lines.append(f"| drill, {d['facts']} fact(s) | {d['exact']:.2f} | {d['first_digit']:.2f} | – |")
+    for n in check.get("needles", []):
+        lines.append(f"| {n['task']} @ {n['context_tokens']} | {n['exact']:.2f} | {n['first_digit']:.2f} | "
+                     f"{n['digits']:.2f} |")
+    return lines + [""]
+
+
 def write_report(root: str | Path) -> Path:
     root = Path(root)
     results = json.loads((root / "eval" / "results.json").read_text())
@@ -117,7 +131,7 @@ def write_report(root: str | Path) -> Path:
     lines = ["# Miniature study results\n", table(results), "", refill_table(results), "", by_task(results),
              "Step times (s): " + ", ".join(f"{k} {v}" for k, v in timings.items()), ""]
     if base.is_file():
-        lines.append("Base self-check: " + base.read_text())
+        lines += base_check_lines(json.loads(base.read_text()))
     path = root / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -197,13 +197,13 @@ class Study:
                 for e in build_task("squad", tokenizer, n, self.config.eval_examples, EVAL_SEED)}
 
     def step_streams(self) -> None:
-        from transformers import AutoTokenizer
+        from ..data.tokenizer import auto_tokenizer
 
         from .data import (StreamSettings, drill_conversations, stage1_documents, stage2_conversations,
                            task_conversations, write_jsonl)
 
         c = self.config
-        tok = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        tok = auto_tokenizer(str(self.tokenizer_dir))
         s = StreamSettings(window=c.window, long_window=c.long_window, base_docs=c.base_docs, base2_docs=c.base2_docs,
                            stage1_docs=c.stage1_docs, stage2_samples=c.stage2_samples,
                            stage2_max_context=c.stage2_max_context)
@@ -263,11 +263,11 @@ class Study:
 
     def export_phase(self, config_dir: Path, run: str, out: Path) -> None:
         """A pretraining phase's weights as a HF folder (+ tokenizer and self-check)."""
-        from transformers import AutoTokenizer
+        from ..data.tokenizer import auto_tokenizer
 
         model = load_full_weights(config_dir, self.run_dir(run))
         model.save_pretrained(str(out))
-        AutoTokenizer.from_pretrained(str(self.tokenizer_dir)).save_pretrained(str(out))
+        auto_tokenizer(str(self.tokenizer_dir)).save_pretrained(str(out))
         (out / "mini_eval.json").unlink(missing_ok=True)
         check = self_check(out, self.config)
         (out / "mini_eval.json").write_text(json.dumps(check, indent=2) + "\n")
@@ -313,7 +313,7 @@ class Study:
                     max_refill=c.max_refill if refill else 0, working_window=c.working_window)
 
     def step_eval(self) -> None:
-        from transformers import AutoTokenizer
+        from ..data.tokenizer import auto_tokenizer
 
         from ..eval.harness import EvalConfig, evaluate, summarize
         from ..eval.methods import METHODS, parse_method
@@ -321,7 +321,7 @@ class Study:
         from .data import EVAL_SEED
 
         c = self.config
-        tok = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        tok = auto_tokenizer(str(self.tokenizer_dir))
         loaders = self.models()
         cfg = EvalConfig(max_new_tokens=c.max_new_tokens, progress=False)
         out_dir = self.root / "eval"
@@ -428,7 +428,9 @@ def load_full_weights(config_dir: Path, run_dir: Path):
 def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task: str | None = None,
                context_tokens: int | None = None, examples: int | None = None) -> dict[str, Any]:
     """The base model's accuracy on its own retrieval task (full attention, evaluation seed + 1)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from ..data.tokenizer import auto_tokenizer
 
     from ..eval.harness import EvalConfig, evaluate
     from ..eval.methods import parse_method
@@ -440,7 +442,7 @@ def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task
     task = task or config.selfcheck_task
     context_tokens = context_tokens or config.selfcheck_length
     examples = examples or config.selfcheck_examples
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = auto_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     exs = build_task(task, tok, context_tokens, examples, EVAL_SEED + 1)
     rep = evaluate(model, tok, exs, [parse_method("full")], config=EvalConfig(max_new_tokens=16, progress=False))
