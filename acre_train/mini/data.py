@@ -214,14 +214,18 @@ def drill_conversation(rng: random.Random, facts: int, filler: float = 0.0) -> l
     return messages
 
 
+def phase1_drill(rng: random.Random, s: StreamSettings) -> dict[str, Any]:
+    """One phase-1 record: a key-value drill without filler; a quarter have a single fact (copying
+    the one value needs no key matching: those teach the copy itself), the rest 2..``drill_max_facts``."""
+    facts = 1 if rng.random() < 0.25 else rng.randint(2, s.drill_max_facts)
+    return {"messages": drill_conversation(rng, facts), "meta": {"kind": "drill", "facts": facts}}
+
+
 def drill_conversations(s: StreamSettings, seed: int = SEEDS["base"]) -> Iterator[dict[str, Any]]:
-    """Phase-1 base records: short key-value drills without filler; a quarter have a single fact
-    (copying the one value needs no key matching: those teach the copy itself), the rest
-    2..``drill_max_facts`` facts."""
+    """Phase-1 base records (``phase1_drill``)."""
     rng = random.Random(seed)
     for _ in range(s.base_docs):
-        facts = 1 if rng.random() < 0.25 else rng.randint(2, s.drill_max_facts)
-        yield {"messages": drill_conversation(rng, facts), "meta": {"kind": "drill", "facts": facts}}
+        yield phase1_drill(rng, s)
 
 
 def qa_conversation(ex: Example, dense: bool = False) -> list[dict[str, str]]:
@@ -250,8 +254,7 @@ def task_conversations(tokenizer, s: StreamSettings, seed: int = SEEDS["base2"],
     low, top = 128, s.window - 160  # room for the instruction, the question and the answer
     for i in range(s.base2_docs):
         if rng.random() < s.drill_share:
-            facts = 1 if rng.random() < 0.25 else rng.randint(2, s.drill_max_facts)
-            yield {"messages": drill_conversation(rng, facts), "meta": {"kind": "drill", "facts": facts}}
+            yield phase1_drill(rng, s)
             continue
         reach = low + (top - low) * min(1.0, i / (0.7 * s.base2_docs))
         length = rng.randrange(low, int(reach) + 1, 32) if reach >= low + 32 else low

@@ -17,20 +17,26 @@ from typing import Any
 import torch
 
 
-@torch.no_grad()
-def answer_nll(model, tokenizer, examples) -> dict[str, Any]:
+def _answer_logits(model, tokenizer, ex) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced logits predicting each token of ``" " + answer`` after the harness prompt, and
+    those answer token ids."""
     from ..eval.prompt import prepare_example
     from .data import answer_text
 
+    prompt = prepare_example(tokenizer, ex).prompt_ids()
+    answer = tokenizer(" " + answer_text(ex), add_special_tokens=False)["input_ids"]
+    logits = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].float()
+    return logits, torch.tensor(answer)
+
+
+@torch.no_grad()
+def answer_nll(model, tokenizer, examples) -> dict[str, Any]:
     total, count = 0.0, 0
     for ex in examples:
-        prompt = prepare_example(tokenizer, ex).prompt_ids()
-        answer = tokenizer(" " + answer_text(ex), add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([prompt + answer])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(answer), reduction="none")
+        logits, answer = _answer_logits(model, tokenizer, ex)
+        nll = torch.nn.functional.cross_entropy(logits, answer, reduction="none")
         # Score the answer's content tokens only (the leading-space token is format, not knowledge).
-        keep = [i for i, t in enumerate(answer) if tokenizer.decode([t]).strip()]
+        keep = [i for i, t in enumerate(answer.tolist()) if tokenizer.decode([t]).strip()]
         total += float(nll[keep].sum())
         count += len(keep)
     return {"nll_per_token": total / count, "examples": len(examples), "digit_chance": math.log(10)}
@@ -52,18 +58,15 @@ def needle_accuracy(model, tokenizer, task: str, context_tokens: int, examples: 
     >>> needle_accuracy(model, tokenizer, "niah_single", 256)  # doctest: +SKIP
     {'task': 'niah_single', 'context_tokens': 256, 'examples': 20, 'exact': 0.1, 'first_digit': 0.3, 'digits': 0.6}
     """
-    from ..eval.prompt import prepare_example
     from ..eval.tasks import build_task
-    from .data import EVAL_SEED, answer_text
+    from .data import EVAL_SEED
 
     exs = build_task(task, tokenizer, context_tokens, examples, EVAL_SEED + 1 if seed is None else seed)
     exact = first = 0
     digits: list[float] = []
     for ex in exs:
-        prompt = prepare_example(tokenizer, ex).prompt_ids()
-        answer = tokenizer(" " + answer_text(ex), add_special_tokens=False)["input_ids"]
-        pred = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].argmax(-1)
-        hit = pred == torch.tensor(answer)
+        logits, answer = _answer_logits(model, tokenizer, ex)
+        hit = logits.argmax(-1) == answer
         f, e = _first_and_exact(hit)
         first, exact = first + f, exact + e
         digits.append(float(hit[1:].float().mean()))

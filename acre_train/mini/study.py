@@ -21,6 +21,9 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes" / "mini"
 STEPS = ("tokenizer", "streams", "base", "base2", "export-base", "stage1", "stage2", "vanilla-sft", "eval", "report")
+# Training steps: their run folder under runs/ and the stream (= prepared data folder) they train on.
+RUNS = {"base": "base", "base2": "base2", "stage1": "acre-stage1", "stage2": "acre-stage2", "vanilla-sft": "vanilla-sft"}
+STREAM_OF = {"base": "base", "base2": "base2", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}
 
 
 @dataclass
@@ -94,8 +97,7 @@ class Study:
         return self.root / "streams" / f"{name}.jsonl"
 
     def run_dir(self, step: str) -> Path:
-        return self.root / "runs" / {"base": "base", "base2": "base2", "stage1": "acre-stage1", "stage2": "acre-stage2",
-                                     "vanilla-sft": "vanilla-sft"}[step]
+        return self.root / "runs" / RUNS[step]
 
     @property
     def base_dir(self) -> Path:
@@ -144,7 +146,7 @@ class Study:
         old: list[Path] = []
         if step == "streams":
             old = [self.root / "streams"]
-        elif step in ("base", "base2", "stage1", "stage2", "vanilla-sft"):
+        elif step in RUNS:
             old = [self.run_dir(step)]
         elif step == "export-base":
             old = [self.base_dir]
@@ -165,7 +167,7 @@ class Study:
             return (self.tokenizer_dir / "tokenizer.json").is_file()
         if step == "streams":
             return all(self.stream(n).is_file() for n in ("base", "base2", "stage1", "stage2"))
-        if step in ("base", "base2", "stage1", "stage2", "vanilla-sft"):
+        if step in RUNS:
             ckpt = latest_checkpoint(self.run_dir(step))
             if ckpt is None:
                 return False
@@ -218,8 +220,8 @@ class Study:
 
     def _overrides(self, step: str) -> list[str]:
         c = self.config
-        data = self.root / "data" / {"base": "base", "base2": "base2", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step]
-        stream = self.stream({"base": "base", "base2": "base2", "stage1": "stage1", "stage2": "stage2", "vanilla-sft": "stage2"}[step])
+        data = self.root / "data" / STREAM_OF[step]
+        stream = self.stream(STREAM_OF[step])
         out = [f"output_root={self.root / 'runs'}", f"data.path={data}", f"data.prepare.inputs=[{stream}]",
                f"data.prepare.tokenizer={self.tokenizer_dir}", f"train.max_steps={c.steps[step]}"]
         if self.redo:  # the stream may have changed since data.path was prepared from it

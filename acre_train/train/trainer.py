@@ -78,7 +78,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------ setup
 
     def open_data(self) -> None:
-        """Prepare (rank 0, if asked and missing) and load the dataset; plan the batches."""
+        """Prepare (rank 0, if asked; an unchanged preparation is reused) and load the dataset; plan the batches."""
         from ..data import load_prepared
 
         r = self.recipe
