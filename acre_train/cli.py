@@ -13,6 +13,7 @@ import sys
 # verb -> (module, one-line help). Order is the order a newcomer meets them.
 VERBS: dict[str, tuple[str, str]] = {
     "env": ("acre_train.env_info", "print torch / transformers / deepspeed / CUDA facts for bug reports"),
+    "base": ("acre_train.base.cli", "bring in a pretrained base: fetch a known one, convert a GGUF, list what is here"),
     "quickstart": ("acre_train.quickstart", "the whole path on built-in data in a minute: data, stage 1, stage 2, export, a refilled answer"),
     "preprocess": ("acre_train.data.cli", "prepare stage-1 text spans or stage-2 QA/chat SFT data with L1 tokens"),
     "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
@@ -23,6 +24,36 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("acre_train.infer.generate_cli", "answer a JSONL of (context, question) rows; writes answers with timing and memory"),
     "reproduce": ("acre_train.mini.cli", "re-run a study end to end: 'mini' trains a small base, ACRE on top, and compares (docs/miniature.md)"),
 }
+
+
+def user_errors(run):
+    """Report the errors a user can fix (bad file, wrong setting, missing extra) in one line, exit 2.
+
+    Every verb's ``run`` goes through this: tracebacks are for bugs, not for typos.
+    """
+    import functools
+
+    @functools.wraps(run)
+    def wrapper(args, *rest, **kw) -> int:
+        try:
+            return run(args, *rest, **kw)
+        except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as exc:
+            print(f"acre-train {getattr(args, 'verb', '')}: error: {exc}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+class MissingExtra(ImportError):
+    """An optional dependency is not installed; the message names the ``pip install`` that fixes it."""
+
+
+def require(module: str, extra: str) -> object:
+    """Import ``module`` or raise :class:`MissingExtra` naming ``pip install 'acre-train[extra]'``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtra(f"this needs the '{module}' package: pip install 'acre-train[{extra}]'") from exc
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,9 @@ def auto_tokenizer(name: str, **kwargs: Any) -> Any:
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from ..base.fetch import resolve_source
+
+    name = resolve_source(name)
     config = Path(name) / "tokenizer_config.json"
     if config.is_file():
         try:

@@ -72,6 +72,9 @@ def _load_model(args, dtype, device):
     from ..data.tokenizer import auto_tokenizer
     from ..export.load import NotAnAcreExport, check_export_dir, load_export
 
+    from ..base.fetch import resolve_source
+
+    args.model = resolve_source(args.model)
     try:
         check_export_dir(args.model)
     except NotAnAcreExport:

@@ -79,7 +79,9 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
             raise FileNotFoundError(f"{checkpoint}: the tiny base model folder {base_dir} is missing")
         pointer = str(Path(base_dir).resolve())
     elif source:
-        pointer = source
+        from ..base.fetch import resolve_source
+
+        pointer = resolve_source(source)
     else:
         raise ValueError(f"{checkpoint}: acre_checkpoint.json names no base model")
     kwargs = {"dtype": dtype} if dtype is not None else {}

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..infer.cli import user_errors
+    from ..cli import user_errors
 
     return user_errors(_run)(args)
 

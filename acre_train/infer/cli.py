@@ -10,22 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from ..cli import user_errors
 from .memory import peak_memory_mib
-
-
-def user_errors(run):
-    """Report the errors a user can fix (bad folder, mismatched cache, context too long) in one line."""
-    import functools
-
-    @functools.wraps(run)
-    def wrapper(args, *rest, **kw) -> int:
-        try:
-            return run(args, *rest, **kw)
-        except (ValueError, FileNotFoundError, FileExistsError) as exc:
-            print(f"acre-train {getattr(args, 'verb', '')}: error: {exc}", file=sys.stderr)
-            return 2
-
-    return wrapper
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,8 @@ def base_reference(recipe: Recipe) -> dict[str, Any]:
 
 
 def load_base(recipe: Recipe) -> nn.Module:
-    """The base causal LM: ``tiny:<arch>`` built in-process, else ``from_pretrained`` (path or hub)."""
+    """The base causal LM: ``tiny:<arch>`` built in-process, else ``from_pretrained`` (path, hub id or
+    ``base:<name>`` of a fetched base)."""
     m = recipe.model
     if m.source.startswith("tiny:"):
         from ..tiny import tiny_model
@@ -35,7 +36,9 @@ def load_base(recipe: Recipe) -> nn.Module:
                           **m.tiny_config)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(m.source, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation)
+    from ..base.fetch import resolve_source
+
+    return AutoModelForCausalLM.from_pretrained(resolve_source(m.source), dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation)
 
 
 def build_model(recipe: Recipe) -> nn.Module:

@@ -40,7 +40,8 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """What to train. ``source``: a local directory, a hub name, or ``tiny:<arch>`` (built in-process)."""
+    """What to train. ``source``: a local directory, a hub name, ``base:<name>`` (``acre-train base
+    fetch``) or ``tiny:<arch>`` (built in-process)."""
 
     source: str = "tiny:qwen2"
     tiny_config: dict[str, Any] = Field(default_factory=dict)  # tiny_model(...) overrides (tiny: sources only)
@@ -312,6 +313,13 @@ def _check_model(recipe: Recipe) -> list[str]:
             problems.append(f"model.source {m.source!r}: tiny architectures are {', '.join(SUPPORTED_MODEL_TYPES)}")
     elif m.tiny_config:
         problems.append("model.tiny_config applies only to tiny:<arch> sources; remove it")
+    elif m.source.startswith("base:"):
+        from ..base.fetch import resolve_source
+
+        try:
+            resolve_source(m.source)
+        except FileNotFoundError as exc:
+            problems.append(f"model.source: {exc}")
     elif _looks_like_path(m.source) and not Path(m.source).expanduser().exists():
         problems.append(f"model.source {m.source!r} does not exist (a local directory or a hub name is expected)")
     if recipe.stage == 2 and recipe.mode == "acre" and not m.init_from:
