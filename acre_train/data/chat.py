@@ -1,8 +1,9 @@
 """Chat-template rendering with an assistant-only label mask, and middle truncation of the context.
 
-The text is rendered once with the tokenizer's own chat template and tokenized once (with offsets),
-so token boundaries are exactly what the model will see; prefix renderings only locate the
-assistant answers and the context in that text. Tokenizing the rendered text uses
+The text is rendered once with the tokenizer's own chat template and tokenized in pieces cut where
+inference cuts it (the end of the context, the start of every answer: ``acre_train.data.prompt``),
+so token boundaries are exactly what the model will see at inference; prefix renderings only locate
+the assistant answers and the context in that text. Tokenizing the rendered text uses
 ``add_special_tokens=False``: templates already write BOS where the model wants it (adding it again
 is the classic double-BOS bug).
 """
@@ -95,10 +96,7 @@ def render_conversation(
     base = content_char_start(tokenizer, messages, context[0], full)
     ctx_chars = (base + context[1], base + context[2])
 
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    ends = np.asarray([e for _, e in enc["offset_mapping"]], dtype=np.int64)
+    ids, starts, ends = tokenize_at(tokenizer, full, [ctx_chars[1], *(a for a, _ in answers)])
     labels = np.full_like(ids, IGNORE_INDEX)
     for a, b in answers:
         # A token belongs to the answer when it starts inside it.
@@ -107,6 +105,25 @@ def render_conversation(
     in_ctx = np.flatnonzero((starts >= ctx_chars[0]) & (ends <= ctx_chars[1]) & (ends > starts))
     ctx_tokens = (int(in_ctx[0]), int(in_ctx[-1]) + 1) if in_ctx.size else (0, 0)
     return Rendered(ids, labels, ctx_tokens, full)
+
+
+def tokenize_at(tokenizer: Any, text: str, cuts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids and character (start, end) offsets of ``text`` tokenized piece by piece between ``cuts``.
+
+    No token spans a cut: inference tokenizes the cached context and the question separately, so
+    training must not merge characters across that boundary either.
+    """
+    bounds = sorted({0, len(text), *(c for c in cuts if 0 < c < len(text))})
+    ids: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in zip(bounds, bounds[1:]):
+        enc = tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
+        ids.extend(enc["input_ids"])
+        starts.extend(a + s for s, _ in enc["offset_mapping"])
+        ends.extend(a + e for _, e in enc["offset_mapping"])
+    as_array = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    return as_array(ids), as_array(starts), as_array(ends)
 
 
 def truncate_middle(rendered: Rendered, max_length: int) -> Rendered | None:

@@ -16,10 +16,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from .errors import DataError, InputProblems
+from .prompt import qa_messages
 from .readers import Record
 
 PARAGRAPH_SEPARATOR = "\n\n"
-QUESTION_TEMPLATE = "\n\nAnswer the question using the context above.\nQuestion: {question}"
 _DEPTH_STREAM = 0xC0
 
 
@@ -139,9 +139,8 @@ def build_long_qa(
             depth = int(rng.integers(0, len(distractors) + 1))
             chosen = [int(i) for i in distractors[:depth]] + [gold] + [int(i) for i in distractors[depth:]]
             context = PARAGRAPH_SEPARATOR.join(paragraphs[i].context for i in chosen)
-            user = context + QUESTION_TEMPLATE.format(question=qa["question"])
             yield QAExample(
-                messages=[{"role": "user", "content": user}, {"role": "assistant", "content": qa["answer"]}],
+                messages=qa_messages(context, qa["question"], qa["answer"]),
                 context=(0, 0, len(context)),
                 meta={"id": qa["id"], "title": para.title, "gold_paragraph": gold, "gold_depth": depth,
                       "num_paragraphs": len(chosen), "answer": qa["answer"], "question": qa["question"]},

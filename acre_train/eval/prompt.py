@@ -1,8 +1,11 @@
-"""One prompt for every method: instruction prefix, documents (or context chunks), question suffix.
+"""One prompt for every method: prefix, documents (or context chunks), question suffix.
 
-Pieces are tokenized separately and concatenated, so every method sees the very same token ids:
-``full`` feeds ``prefix + doc_0 + ... + doc_n + suffix``; the cache-editing methods encode the same
-pieces separately. A ``context`` example is tokenized once (with offsets) and cut into chunks of
+The prefix and suffix come from the project's one question prompt (``acre_train.data.prompt``):
+the model's chat template, the task's instruction before the context, ``QUESTION_TEMPLATE`` and the
+generation prompt after it -- what stage 2 trains on and what ``chat``/``generate`` send. Pieces are
+tokenized separately and concatenated, so every method sees the very same token ids: ``full`` feeds
+``prefix + doc_0 + ... + doc_n + suffix``; the cache-editing methods encode the same pieces
+separately. A ``context`` example is tokenized once (with offsets) and cut into chunks of
 ``chunk_tokens``; its ``gold_spans`` become the ids of the chunks they overlap.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..data.prompt import PromptFormat
 from .tasks import Example
 
 DOCS_INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not "
@@ -57,8 +61,9 @@ def prepare_example(tokenizer, example: Example, chunk_tokens: int = 512) -> Pre
     else:
         instruction = example.instruction or CONTEXT_INSTRUCTION
         docs, gold = _chunk_context(tokenizer, example, chunk_tokens)
-    prefix = _ids(tokenizer, f"{instruction}\n\n", special=True)
-    suffix = _ids(tokenizer, f"\n\nQuestion: {example.question}\nAnswer:")
+    prompt = PromptFormat(tokenizer)
+    prefix = prompt.prefix_ids(instruction)
+    suffix = prompt.question_ids(example.question)
     if any(len(d) == 0 for d in docs):
         raise ValueError(f"example {example.id!r}: a document tokenizes to nothing")
     return PreparedExample(example, prefix, docs, suffix, gold)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modeling.adapter import ACRE_PREFIX, acre_parameters, attach_acre, load_acre_state_dict
+from ..modeling.adapter import ACRE_PREFIX, acre_parameters, attach_from_section, load_acre_state_dict
 
 
 @dataclass
@@ -92,8 +92,9 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
         state, origin = consolidate_zero(ds_dir, tag=DS_TAG), "deepspeed-zero"
     else:
         state, origin = load_trainable(checkpoint), "trainable.safetensors"
-    train_o = any(".acre_o_proj." in key for key in state)
-    model = attach_acre(base, train_o_proj=train_o)
+    model_section = recipe.get("model") or {}
+    model = attach_from_section(base, {"train_o_proj": any(".acre_o_proj." in key for key in state),
+                                       "l1": model_section.get("l1", "full"), "lora": model_section.get("lora")})
     weights = match_acre_names(state, model)
     own = next(model.parameters())
     load_acre_state_dict(model, {k: v.to(own.device, own.dtype) for k, v in weights.items()})

@@ -2,7 +2,7 @@
 
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
 from .engine import AcreEngine, Answer
-from .prompt import QUESTION_TEMPLATE, PromptFormat
+from ..data.prompt import QUESTION_TEMPLATE, PromptFormat
 from .refill import assemble, num_selected, score_entries, select_entries
 from .settings import CacheSettings, RefillSettings
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..modeling.adapter import acre_forward
 from ..modeling.interleave import interleave
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
-from .prompt import PromptFormat
+from ..data.prompt import PromptFormat
 from .refill import assemble, num_selected, score_entries, select_entries
 from .rope import rotate
 from .settings import CacheSettings, RefillSettings

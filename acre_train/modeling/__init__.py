@@ -11,6 +11,7 @@ from .adapter import (
     acre_parameters,
     acre_state_dict,
     attach_acre,
+    attach_from_section,
     check_supported,
     count_parameters,
     is_acre_model,
@@ -22,6 +23,6 @@ from .visibility import KERNELS, visible
 __all__ = [
     "IGNORE_INDEX", "InterleavePlan", "chunk_bounds", "interleave", "num_chunks", "sample_intervals",
     "KERNELS", "visible", "SUPPORTED_MODEL_TYPES", "AcreOutput", "acre_forward", "acre_parameters",
-    "acre_state_dict", "attach_acre", "check_supported", "count_parameters", "is_acre_model",
+    "acre_state_dict", "attach_acre", "attach_from_section", "check_supported", "count_parameters", "is_acre_model",
     "load_acre_state_dict",
 ]

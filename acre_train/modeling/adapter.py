@@ -51,11 +51,15 @@ def check_supported(config) -> None:
         )
 
 
-def attach_acre(model: nn.Module, *, train_o_proj: bool = False) -> nn.Module:
+def attach_acre(model: nn.Module, *, train_o_proj: bool = False, lora: dict | None = None) -> nn.Module:
     """Add L1 parameters to ``model`` (a ``*ForCausalLM``) in place, freeze the base, return it.
 
     L1 projections start as copies of the base projections; the L1 embedding row starts as the EOS
     embedding. Works on the meta device too (nothing is copied there).
+
+    ``lora={"rank": r, "alpha": a, "dropout": p}``: each L1 projection is a frozen copy of the base
+    projection plus a peft LoRA delta (``lora_B`` starts at zero, so the untrained model equals the
+    full-copy one); only the LoRA matrices and the L1 embedding train. ``None``: full copies train.
 
     >>> from transformers import AutoModelForCausalLM, Qwen2Config  # doctest: +SKIP
     >>> model = attach_acre(AutoModelForCausalLM.from_config(Qwen2Config(...)))  # doctest: +SKIP
@@ -72,7 +76,8 @@ def attach_acre(model: nn.Module, *, train_o_proj: bool = False) -> nn.Module:
         attn = layer.self_attn
         names = L1_PROJECTIONS + (("o_proj",) if train_o_proj else ())
         for name in names:
-            setattr(attn, ACRE_PREFIX + name, _trainable_copy(getattr(attn, name)))
+            copy = _trainable_copy(getattr(attn, name))
+            setattr(attn, ACRE_PREFIX + name, copy if lora is None else _lora_wrap(copy, lora))
         attn.__class__ = _acre_attention_class(type(attn))
 
     base_embed = decoder.embed_tokens.weight
@@ -82,8 +87,45 @@ def attach_acre(model: nn.Module, *, train_o_proj: bool = False) -> nn.Module:
             l1_embed.weight.copy_(base_embed[_eos_id(config)][None])
     l1_embed.weight.requires_grad_(True)
     setattr(decoder, EMBED_NAME, l1_embed)
-    config.acre = {"train_o_proj": bool(train_o_proj), "format_version": 1}
+    config.acre = {"train_o_proj": bool(train_o_proj), "format_version": 1, "l1": "full" if lora is None else "lora"}
+    if lora is not None:
+        config.acre["lora"] = _lora_settings(lora)
     return model
+
+
+def attach_from_section(model: nn.Module, section: dict | None) -> nn.Module:
+    """``attach_acre`` with the options an ACRE config's ``acre`` section recorded (exports, checkpoints)."""
+    section = section or {}
+    lora = section.get("lora") if section.get("l1", "full") == "lora" else None
+    return attach_acre(model, train_o_proj=bool(section.get("train_o_proj", False)), lora=lora)
+
+
+LORA_ADAPTER = "acre"  # the peft adapter name inside every L1 projection
+
+
+def _lora_settings(lora: dict) -> dict:
+    unknown = set(lora) - {"rank", "alpha", "dropout"}
+    if unknown:
+        raise ValueError(f"unknown LoRA setting(s) {sorted(unknown)}; known: rank, alpha, dropout")
+    rank = int(lora.get("rank", 16))
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    return {"rank": rank, "alpha": float(lora.get("alpha", 2 * rank)), "dropout": float(lora.get("dropout", 0.0))}
+
+
+def _lora_wrap(copy: nn.Linear, lora: dict) -> nn.Module:
+    """A frozen copy + peft LoRA delta (peft's own ``lora.Linear``: its init, scaling and dropout)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
+
+    settings = _lora_settings(lora)
+    copy.requires_grad_(False)
+    config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"])
+    layer = LoraLinear(copy, LORA_ADAPTER, config=config, r=settings["rank"], lora_alpha=settings["alpha"],
+                       lora_dropout=settings["dropout"])
+    layer.to(device=copy.weight.device, dtype=copy.weight.dtype)
+    copy.requires_grad_(False)  # peft may flip requires_grad on the base layer; it stays frozen
+    return layer
 
 
 def is_acre_model(model: nn.Module) -> bool:
@@ -318,7 +360,9 @@ def acre_parameters(model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
 
 
 def _is_acre_name(name: str) -> bool:
-    return any(part.startswith(ACRE_PREFIX) for part in name.split("."))
+    # ``base_layer``: the frozen copy inside a LoRA L1 projection (rebuilt from the base, never stored).
+    parts = name.split(".")
+    return any(part.startswith(ACRE_PREFIX) for part in parts) and "base_layer" not in parts
 
 
 def acre_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 ``AcreConfig`` (``model_type = "acre"``) holds every field of the base model's config plus
 ``base_model_type`` and an ``acre`` section; ``AcreForCausalLM`` builds the base architecture from
-that config with transformers' own classes and calls ``attach_acre``. Its parameter names are the
+that config with transformers' own classes and calls ``attach_acre`` with the recorded options. Its parameter names are the
 trained model's (``model.layers.N.self_attn.acre_q_proj.weight`` ...), so checkpoints and exports
 share one naming.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .adapter import attach_acre, check_supported, load_acre_state_dict
+from .adapter import attach_from_section, check_supported, load_acre_state_dict
 
 ACRE_EXPORT_FORMAT = 1
 # Fields of a config dict that describe the file, not the architecture.
@@ -82,7 +82,7 @@ class AcreForCausalLM(PreTrainedModel):
         super().__init__(config)
         if base is None:
             base = AutoModelForCausalLM.from_config(config.to_base_config())
-            attach_acre(base, train_o_proj=bool(config.acre.get("train_o_proj", False)))
+            attach_from_section(base, config.acre)
         if next(base.parameters()).device.type != "meta":
             # Real weights are already initialised (L1 = copies of the base): post_init must not
             # re-initialise them. On the meta device (from_pretrained) transformers loads the weights
@@ -129,7 +129,7 @@ class AcreForCausalLM(PreTrainedModel):
             base_ref = local  # a path relative to the export folder
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         base = AutoModelForCausalLM.from_pretrained(base_ref, **({"dtype": dtype} if dtype is not None else {}))
-        attach_acre(base, train_o_proj=bool(config.acre.get("train_o_proj", False)))
+        attach_from_section(base, config.acre)
         state = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
         own = next(base.parameters())
         load_acre_state_dict(base, {k: v.to(own.device, own.dtype) for k, v in state.items()})

@@ -45,7 +45,8 @@ def build_model(recipe: Recipe) -> nn.Module:
     """The model with exactly the recipe's trainable parameters (and stage-1 L1 weights for stage 2)."""
     model = load_base(recipe)
     if recipe.mode == "acre":
-        attach_acre(model, train_o_proj=recipe.model.train_o_proj)
+        m = recipe.model
+        attach_acre(model, train_o_proj=m.train_o_proj, lora=m.lora.model_dump() if m.l1 == "lora" else None)
     else:
         model.requires_grad_(True)
     if recipe.model.init_from:

@@ -39,6 +39,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSection(_Section):
+    """LoRA shape of the L1 projections when ``model.l1: lora`` (peft's rank, alpha, dropout)."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
 class ModelSection(_Section):
     """What to train. ``source``: a local directory, a hub name, ``base:<name>`` (``acre-train base
     fetch``) or ``tiny:<arch>`` (built in-process)."""
@@ -49,6 +57,10 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: str = "sdpa"
     train_o_proj: bool = False  # also train an L1 copy of o_proj (DESIGN §4: optional)
+    # L1 projections: "full" trains copies of the base q/k/v (the paper); "lora" trains a peft LoRA
+    # delta on frozen copies (a few MB of weights instead of a copy of every q/k/v).
+    l1: Literal["full", "lora"] = "full"
+    lora: LoraSection = Field(default_factory=lambda: LoraSection())
     kernel: Literal["chunked", "dense", "flex"] | None = None  # ACRE attention kernel; None = default for the device
     gradient_checkpointing: bool = False  # always non-reentrant (DESIGN §3: gradients cross chunks)
     init_from: str | None = None  # stage 2: a stage-1 run directory or checkpoint directory

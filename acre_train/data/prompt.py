@@ -1,0 +1,96 @@
+"""The one question prompt: stage-2 training, ``chat``/``generate`` and ``eval`` all render through it.
+
+A question about a long context is one user turn -- an optional instruction, the context, then
+``QUESTION_TEMPLATE`` -- rendered with the tokenizer's own chat template and followed by the
+generation prompt (the assistant's answer is what stage 2 labels). The rendering is cut at the two
+ends of the context: the part before it (template start + instruction) and the context itself are
+cacheable, the part after it (question + end of turn + generation prompt) is per question. Pieces are
+tokenized separately (``add_special_tokens=False``: the template writes any BOS itself), and stage-2
+training tokenizes at the very same cuts, so a trained model sees at inference exactly the token ids
+it was trained on (``tests/test_prompt.py`` checks this token for token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QUESTION_TEMPLATE = "\n\nAnswer the question using the context above.\nQuestion: {question}"
+_SENTINEL = "\u2063ACRE-CONTEXT\u2063"
+
+
+def user_content(context: str, question: str, instruction: str | None = None) -> str:
+    """The user turn's text: ``[instruction + blank line] + context + QUESTION_TEMPLATE``."""
+    head = f"{instruction}\n\n" if instruction else ""
+    return head + context + QUESTION_TEMPLATE.format(question=question)
+
+
+def context_span(context: str, instruction: str | None = None) -> tuple[int, int]:
+    """Character range of the context inside :func:`user_content`'s text."""
+    start = len(f"{instruction}\n\n") if instruction else 0
+    return start, start + len(context)
+
+
+def qa_messages(context: str, question: str, answer: str | None = None, instruction: str | None = None,
+                system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The conversation of one QA example (with the answer as the assistant turn when given)."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": user_content(context, question, instruction)})
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+class PromptFormat:
+    """Context/question rendering for one tokenizer; text without a chat template stays plain."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+
+    def split(self, question: str, instruction: str | None = None) -> tuple[str, str]:
+        """(text before the context, text after it) of the rendered prompt, generation prompt included."""
+        messages = qa_messages(_SENTINEL, question, instruction=instruction, system_prompt=self.system_prompt)
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # no template: plain text, led by BOS when the tokenizer would add one itself
+            text = self._bos() + "".join(m["content"] for m in messages)
+        before, after = text.split(_SENTINEL)
+        return before, after
+
+    def _bos(self) -> str:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if not bos:
+            return ""
+        ids = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        return bos if ids[:1] == [self.tokenizer.bos_token_id] else ""
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text input needs a tokenizer; pass token ids instead")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prefix_ids(self, instruction: str | None = None) -> list[int]:
+        """Tokens before the context (template start, system prompt, instruction)."""
+        return self.encode(self.split("", instruction)[0])
+
+    def context_ids(self, context: str, instruction: str | None = None) -> list[int]:
+        """Tokens of everything up to the end of the context (what a cache holds)."""
+        return self.encode(self.split("", instruction)[0] + context)
+
+    def question_ids(self, question: str) -> list[int]:
+        """Tokens after the context: the question, the end of the user turn, the generation prompt."""
+        return self.encode(self.split(question)[1])
+
+    def stop_ids(self, config: Any) -> set[int]:
+        """EOS ids of the model and tokenizer, plus the chat template's end-of-turn token if known."""
+        ids: set[int] = set()
+        eos = getattr(config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if self.tokenizer is not None:
+            if self.tokenizer.eos_token_id is not None:
+                ids.add(int(self.tokenizer.eos_token_id))
+            for token in ("<|im_end|>", "<|eot_id|>"):
+                tid = self.tokenizer.convert_tokens_to_ids(token)
+                if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
+                    ids.add(tid)
+        return ids
