@@ -91,3 +91,28 @@ def test_eval_cli_runs_acre_rows_on_an_export(tmp_path):
     assert set(by_method) == {"full", "acre", "acre-l1"}
     # The export's stored settings were used: k = floor(min(W - m, eta) / l) with eta=64, l=16.
     assert by_method["acre"]["acre_k"] == 4 and by_method["acre-l1"]["acre_k"] == 0
+
+
+def test_a_shared_context_is_prepared_once_and_answers_as_if_alone():
+    """Three questions on one context: every method's answers and first logits equal answering each
+    question on its own (the reused state is not changed by answering), and prepare runs once."""
+    from acre_train.eval.harness import group_by_context, run_context, run_one
+
+    model, first = _acre_model(), _example([50, 40, 30])
+    g = torch.Generator().manual_seed(3)
+    group = [PreparedExample(Example(id=f"q{i}", question="q?", answers=["a"], documents=["d"] * 3),
+                             first.prefix_ids, first.doc_ids, torch.randint(2, VOCAB, (5 + i,), generator=g).tolist(), [])
+             for i in range(3)]
+    assert len(group_by_context(group)) == 1
+    generation = GenerationConfig(max_new_tokens=3)
+    for spec in ("full", "acre:first_chunk=64:stride=32:interval=8:working_window=100", "cachefocus:n=1", "infoflow"):
+        method = parse_method(spec)
+        calls = []
+        real_prepare = method.prepare
+        method.prepare = lambda *a, **k: calls.append(1) or real_prepare(*a, **k)  # noqa: B023
+        shared = run_context(model, _IdsTokenizer(), method, group, generation, recall_k=1)
+        assert len(calls) == 1
+        for row, prepared in zip(shared, group):
+            alone = run_one(model, _IdsTokenizer(), parse_method(spec), prepared, generation, recall_k=1)
+            assert row["prediction"] == alone["prediction"], spec
+            assert row["questions_on_context"] == 3 and row["prepare_s"] == shared[0]["prepare_s"]

@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-tokens", type=int, default=4096, help="built-in tasks: context length in tokens")
     parser.add_argument("--num-examples", type=int, default=10, help="built-in tasks: examples per task")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--squad", default=None,
+                        help="SQuAD JSON file for the squad task (default: the packaged 48-paragraph sample)")
+    parser.add_argument("--questions-per-context", type=int, default=1,
+                        help="built-in squad / niah_multikey: questions sharing one context, which every method "
+                             "encodes once (default: 1)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunk size for 'context' examples")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--recall-k", type=int, default=5)
@@ -47,11 +52,19 @@ def run(args: argparse.Namespace) -> int:
                           ("cpu" if args.device == "auto" else args.device))
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    from ..base.fetch import resolve_source
+
+    try:
+        args.model = resolve_source(args.model)
+    except FileNotFoundError as exc:
+        print(f"acre-train eval: {exc}", file=sys.stderr)
+        return 2
     if not Path(args.model).exists():
         print(f"acre-train eval: note: {args.model!r} is not a local folder; trying it as a hub id", file=sys.stderr)
     model, tokenizer = _load_model(args, dtype, device)
     try:
-        examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed)
+        examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed,
+                                 squad_path=args.squad, questions_per_context=args.questions_per_context)
     except (ValueError, FileNotFoundError) as exc:
         print(f"acre-train eval: {exc}", file=sys.stderr)
         return 2
@@ -72,9 +85,6 @@ def _load_model(args, dtype, device):
     from ..data.tokenizer import auto_tokenizer
     from ..export.load import NotAnAcreExport, check_export_dir, load_export
 
-    from ..base.fetch import resolve_source
-
-    args.model = resolve_source(args.model)
     try:
         check_export_dir(args.model)
     except NotAnAcreExport:

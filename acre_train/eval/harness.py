@@ -9,6 +9,11 @@ Python API::
 
 Every method answers every example with the same prompt pieces, the same greedy decoding and the
 same stop tokens. ``score`` is each example's primary metric (its ``metric`` field).
+
+Examples whose prompt differs only in the question share a context: every method prepares it once
+(``EvalMethod.prepare``: full attention's prefix KV, ACRE's bi-layer cache, CacheFocus/InfoFlow's
+per-document caches) and answers each question over it. Rows carry the context's preparation time
+(``prepare_s``, once per context in the summary) apart from the question's own (``answer_s``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from .prompt import PreparedExample, prepare_example
 from .tasks import Example
 
 COST_KEYS = ("kv_attended", "tokens_prefilled", "token_layers_computed", "token_layers_recomputed", "kv_bytes",
-             "prepare_s", "ttft_s", "wall_s", "peak_memory_bytes")
+             "prepare_s", "answer_s", "ttft_s", "wall_s", "peak_memory_bytes")
 
 
 @dataclass
@@ -62,20 +67,51 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def context_key(prepared: PreparedExample) -> tuple:
+    """What a method's ``prepare`` depends on: the prompt up to the end of the context."""
+    return tuple(prepared.prefix_ids), tuple(tuple(d) for d in prepared.doc_ids)
+
+
+def group_by_context(prepared: Sequence[PreparedExample]) -> list[list[PreparedExample]]:
+    """Examples sharing a context, in first-seen order (one group per distinct context)."""
+    groups: dict[tuple, list[PreparedExample]] = {}
+    for p in prepared:
+        groups.setdefault(context_key(p), []).append(p)
+    return list(groups.values())
+
+
+def run_context(model, tokenizer, method: EvalMethod, group: Sequence[PreparedExample], generation: GenerationConfig,
+                recall_k: int, context_index: int = 0) -> list[dict[str, Any]]:
+    """One method on every question of one context: the context prepared once, each question answered."""
+    device = _device(model)
+    with torch.no_grad(), PeakMemory(device) as prep_mem:
+        timer = Timer(device)
+        state = method.prepare(model, tokenizer, group[0])
+        prepare_s = timer.elapsed()
+    rows = []
+    for prepared in group:
+        with torch.no_grad(), PeakMemory(device) as mem:
+            timer = Timer(device)
+            result = method.answer(model, tokenizer, prepared, state, generation)
+            answer_s = timer.elapsed()
+        cost = result.cost
+        peak = max(prep_mem.peak_bytes or 0, mem.peak_bytes or 0) if mem.peak_bytes is not None else None
+        cost.prepare_s, cost.wall_s, cost.peak_memory_bytes = prepare_s, prepare_s + answer_s, peak
+        row = _row(prepared, method, result, recall_k)
+        row.update({"answer_s": answer_s, "context_index": context_index, "questions_on_context": len(group)})
+        rows.append(row)
+    del state
+    return rows
+
+
 def run_one(model, tokenizer, method: EvalMethod, prepared: PreparedExample, generation: GenerationConfig,
             recall_k: int) -> dict[str, Any]:
     """One method on one example: prediction, metrics and cost as a flat dict."""
+    return run_context(model, tokenizer, method, [prepared], generation, recall_k)[0]
+
+
+def _row(prepared: PreparedExample, method: EvalMethod, result, recall_k: int) -> dict[str, Any]:
     ex = prepared.example
-    device = _device(model)
-    with torch.no_grad(), PeakMemory(device) as mem:
-        timer = Timer(device)
-        state = method.prepare(model, tokenizer, prepared)
-        prepare_s = timer.elapsed()
-        result = method.answer(model, tokenizer, prepared, state, generation)
-        wall = timer.elapsed()
-        del state
-    cost = result.cost
-    cost.prepare_s, cost.wall_s, cost.peak_memory_bytes = prepare_s, wall, mem.peak_bytes
     scores = metrics.score_answer(result.prediction, ex.answers, ex.substring_mode)
     row: dict[str, Any] = {"id": ex.id, "task": ex.task, "method": method.label(), "prediction": result.prediction,
                            "answers": ex.answers, **scores, "score": scores[ex.metric]}
@@ -84,7 +120,7 @@ def run_one(model, tokenizer, method: EvalMethod, prepared: PreparedExample, gen
                                  if gold and result.doc_ranking is not None else None)
     row["evidence_recall"] = (metrics.evidence_recall(result.kept_docs, gold)
                               if gold and result.kept_docs is not None else None)
-    row.update(cost.to_dict())
+    row.update(result.cost.to_dict())
     row.update({"prompt_tokens": len(prepared), "num_docs": prepared.num_docs, "gold_docs": gold,
                 "kept_docs": result.kept_docs, "doc_ranking": result.doc_ranking, **result.extra})
     return row
@@ -100,15 +136,17 @@ def evaluate(model, tokenizer, examples: Sequence[Example], methods: Sequence[Ev
         raise ValueError("no examples to evaluate")
     generation = GenerationConfig(config.max_new_tokens, stop_ids(model, tokenizer))
     model.eval()
+    groups = group_by_context([prepare_example(tokenizer, ex, config.chunk_tokens) for ex in examples])
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(examples) * len(methods), desc="eval", unit="answer", disable=not config.progress)
-    for ex in examples:
-        prepared = prepare_example(tokenizer, ex, config.chunk_tokens)
+    for index, group in enumerate(groups):
         for method in methods:
-            bar.set_postfix_str(f"{ex.task} {method.label()}", refresh=False)
-            rows.append(run_one(model, tokenizer, method, prepared, generation, config.recall_k))
-            bar.update()
+            bar.set_postfix_str(f"{group[0].example.task} {method.label()}", refresh=False)
+            rows.extend(run_context(model, tokenizer, method, group, generation, config.recall_k, index))
+            bar.update(len(group))
     bar.close()
+    order = {ex.id: i for i, ex in enumerate(examples)}
+    rows.sort(key=lambda r: (order[r["id"]], [m.label() for m in methods].index(r["method"])))
     report = EvalReport(rows, summarize(rows, [m.label() for m in methods]))
     if out_dir is not None:
         report.files = write_outputs(report, Path(out_dir))
@@ -130,7 +168,11 @@ def _group(rows: list[dict[str, Any]], labels: list[str]) -> dict[str, dict[str,
             continue
         entry: dict[str, Any] = {"n": len(mine)}
         entry.update(metrics.aggregate([{k: r[k] for k in metric_keys} for r in mine]))
-        entry.update({k: _mean([r[k] for r in mine]) for k in COST_KEYS})
+        entry.update({k: _mean([r.get(k) for r in mine]) for k in COST_KEYS})
+        # The context's preparation counts once per context, not once per question asked of it.
+        per_context = {r.get("context_index", i): r["prepare_s"] for i, r in enumerate(mine)}
+        entry["prepare_s"] = _mean(list(per_context.values()))
+        entry["contexts"] = len(per_context)
         out[label] = entry
     base = out.get("full")
     for entry in out.values():  # cost ratios to `full`, the reference row
@@ -160,7 +202,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     cols = [("score", "score", 1), ("qa_f1", "F1", 1), ("exact_match", "EM", 1), ("substring", "substr", 1),
             ("rouge_l", "ROUGE-L", 1), (None, "recall@k", 1), ("evidence_recall", "evid. recall", 1),
             ("kv_attended", "KV attended", 0), ("tokens_prefilled", "prefilled", 0),
-            ("token_layers_recomputed", "tok-layers recomp.", 0), ("ttft_s", "TTFT s", 3),
+            ("token_layers_recomputed", "tok-layers recomp.", 0), ("prepare_s", "prefill s/context", 2), ("answer_s", "answer s/question", 2), ("ttft_s", "TTFT s", 3),
             ("ttft_s_vs_full", "TTFT/full", 2), ("peak_memory_bytes", "peak MiB", 1)]
     out: list[str] = []
     sections = [("overall", summary["overall"])] + list(summary["by_task"].items())

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-SQUAD_PATH = Path("/work/shared/data/squad-v2-dev.json")
 _METRICS = {"qa_f1", "exact_match", "substring", "rouge_l"}
 _MODES = {"any", "all", "fraction"}
 
@@ -129,31 +128,44 @@ class _TokenCounter:
 # ---------------------------------------------------------------------------------------------
 
 
-def squad_qa(tokenizer, context_tokens: int, num_examples: int, seed: int = 0,
-             path: str | Path = SQUAD_PATH) -> list[Example]:
+def load_squad(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """SQuAD articles (``data`` list) from ``path``, or the packaged 48-paragraph sample when None."""
+    if path is None:
+        from ..data.builtin import builtin_qa
+
+        return builtin_qa()["data"]
+    return json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+
+
+def squad_qa(tokenizer, context_tokens: int, num_examples: int, seed: int = 0, path: str | Path | None = None,
+             questions_per_context: int = 1) -> list[Example]:
     """Gold paragraph among paragraphs of *other* articles that do not contain an answer string.
 
     Documents are added until the next would pass ``context_tokens`` (counted per document, as the
-    methods tokenize them); the gold lands at a seeded random index.
+    methods tokenize them); the gold lands at a seeded random index. Up to ``questions_per_context``
+    answerable questions of the gold paragraph share one context (the harness encodes it once).
+    ``path``: a SQuAD JSON file (default: the packaged sample).
     """
-    data = json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+    data = load_squad(path)
     rng = random.Random(seed)
     count = _TokenCounter(tokenizer)
     paragraphs = [(ai, p["context"]) for ai, art in enumerate(data) for p in art["paragraphs"]]
-    questions = [
-        (ai, p["context"], qa)
-        for ai, art in enumerate(data) for p in art["paragraphs"] for qa in p["qas"]
-        if not qa.get("is_impossible") and qa["answers"]
+    golds = [
+        (ai, p["context"], [qa for qa in p["qas"] if not qa.get("is_impossible") and qa["answers"]])
+        for ai, art in enumerate(data) for p in art["paragraphs"]
     ]
+    golds = [g for g in golds if g[2]]
     out: list[Example] = []
-    for n in range(num_examples):
-        ai, gold, qa = rng.choice(questions)
-        answers = list(dict.fromkeys(a["text"] for a in qa["answers"]))
-        lowered = [a.lower() for a in answers]
+    context_no = 0
+    while len(out) < num_examples:
+        ai, gold, qas = rng.choice(golds)
+        qas = rng.sample(qas, min(len(qas), questions_per_context, num_examples - len(out)))
+        answers_of = [list(dict.fromkeys(a["text"] for a in qa["answers"])) for qa in qas]
+        lowered = [a.lower() for answers in answers_of for a in answers]
         docs = [gold]
         total = count(gold)
-        for _, text in rng.sample(paragraphs, len(paragraphs)):
-            if _ == ai or any(a in text.lower() for a in lowered):
+        for other, text in rng.sample(paragraphs, len(paragraphs)):
+            if other == ai or any(a in text.lower() for a in lowered):
                 continue
             t = count(text)
             if total + t > context_tokens:
@@ -161,11 +173,13 @@ def squad_qa(tokenizer, context_tokens: int, num_examples: int, seed: int = 0,
             docs.append(text)
             total += t
         rng.shuffle(docs)
-        out.append(Example(
-            id=f"squad-{seed}-{n}", question=qa["question"], answers=answers, documents=docs,
-            gold_docs=[docs.index(gold)], task="squad", metric="qa_f1",
-            meta={"context_tokens": total},
-        ))
+        for qa, answers in zip(qas, answers_of):
+            out.append(Example(
+                id=f"squad-{seed}-{len(out)}", question=qa["question"], answers=answers, documents=docs,
+                gold_docs=[docs.index(gold)], task="squad", metric="qa_f1",
+                meta={"context_tokens": total, "context_id": f"squad-{seed}-c{context_no}"},
+            ))
+        context_no += 1
     return out
 
 
@@ -241,13 +255,14 @@ def _key(rng: random.Random) -> str:
 
 
 def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: int, seed: int,
-                     num_needles: int = 4, num_hops: int = 4) -> list[Example]:
+                     num_needles: int = 4, num_hops: int = 4, questions_per_context: int = 1) -> list[Example]:
     rng = random.Random(f"{kind}-{seed}")
     count = _TokenCounter(tokenizer)
     sentences = _filler_sentences()
     instruction = NEEDLE_INSTRUCTION
     out: list[Example] = []
-    for n in range(num_examples):
+    n = 0
+    while len(out) < num_examples:
         keys = list(dict.fromkeys(_key(rng) for _ in range(4 * num_needles)))[:num_needles]
         values = [str(rng.randint(10**6, 10**7 - 1)) for _ in range(num_needles)]
         key = keys[0]
@@ -279,10 +294,16 @@ def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: in
             text, spans = _assemble_in_order(rng, count, sentences, budget, needles)
         else:
             text, spans = _assemble(_haystack(rng, count, sentences, budget), needles, rng)
-        out.append(Example(
-            id=f"{kind}-{seed}-{n}", question=question, answers=answers, context=text, gold_spans=spans,
-            task=kind, metric=metric, substring_mode=mode, instruction=instruction,
-        ))
+        asked = [(question, answers)]
+        if kind == "niah_multikey":  # every key is a question on the same haystack
+            asked += [(needle_question(k), [v]) for k, v in zip(keys[1:], values[1:])]
+        for question, answers in asked[:min(questions_per_context, num_examples - len(out))]:
+            out.append(Example(
+                id=f"{kind}-{seed}-{len(out)}", question=question, answers=answers, context=text, gold_spans=spans,
+                task=kind, metric=metric, substring_mode=mode, instruction=instruction,
+                meta={"context_id": f"{kind}-{seed}-c{n}"},
+            ))
+        n += 1
     return out
 
 
@@ -306,25 +327,33 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
 TASK_NAMES = ("squad", *NEEDLE_TASKS, "ruler")
 
 
-def build_task(name: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0) -> list[Example]:
-    """A built-in task by name: ``squad``, one of ``NEEDLE_TASKS``, or ``ruler`` (all four needle tasks)."""
-    if context_tokens <= 0 or num_examples <= 0:
-        raise ValueError("context_tokens and num_examples must be positive")
+def build_task(name: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0, *,
+               squad_path: str | Path | None = None, questions_per_context: int = 1) -> list[Example]:
+    """A built-in task by name: ``squad``, one of ``NEEDLE_TASKS``, or ``ruler`` (all four needle tasks).
+
+    ``num_examples`` counts questions; with ``questions_per_context`` > 1, ``squad`` asks several
+    questions of the gold paragraph and ``niah_multikey`` asks for several of its keys on one context.
+    """
+    if context_tokens <= 0 or num_examples <= 0 or questions_per_context <= 0:
+        raise ValueError("context_tokens, num_examples and questions_per_context must be positive")
     if name == "squad":
-        return squad_qa(tokenizer, context_tokens, num_examples, seed)
+        return squad_qa(tokenizer, context_tokens, num_examples, seed, squad_path, questions_per_context)
     if name in NEEDLE_TASKS:
-        return _needle_examples(name, tokenizer, context_tokens, num_examples, seed)
+        return _needle_examples(name, tokenizer, context_tokens, num_examples, seed,
+                                questions_per_context=questions_per_context)
     if name == "ruler":
-        return [e for k in NEEDLE_TASKS for e in _needle_examples(k, tokenizer, context_tokens, num_examples, seed)]
+        return [e for k in NEEDLE_TASKS for e in _needle_examples(k, tokenizer, context_tokens, num_examples, seed,
+                                                                  questions_per_context=questions_per_context)]
     raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASK_NAMES)} (or give a .jsonl file)")
 
 
-def resolve_tasks(spec: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0) -> list[Example]:
+def resolve_tasks(spec: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0, *,
+                  squad_path: str | Path | None = None, questions_per_context: int = 1) -> list[Example]:
     """``spec``: a JSONL path, or comma-separated built-in task names."""
     if Path(spec).is_file():
         return load_jsonl(spec)
     if spec.endswith(".jsonl"):
         raise FileNotFoundError(f"task file not found: {spec}")
     return [e for name in spec.split(",") if name.strip()
-            for e in build_task(name.strip(), tokenizer, context_tokens, num_examples, seed)]
-
+            for e in build_task(name.strip(), tokenizer, context_tokens, num_examples, seed,
+                                squad_path=squad_path, questions_per_context=questions_per_context)]

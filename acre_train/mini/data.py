@@ -61,15 +61,10 @@ def tokenizer_corpus(seed: int = SEEDS["tokenizer"]) -> list[str]:
     """Text the tokenizer is trained on: the built-in Python reference, SQuAD paragraphs and
     questions, and synthetic needle/variable lines of the retrieval streams."""
     from ..data.builtin import builtin_text
-    from ..eval.tasks import SQUAD_PATH, _WORDS
+    from ..eval.tasks import _WORDS, load_squad
 
     texts = [r["text"] for r in builtin_text()]
-    if Path(SQUAD_PATH).is_file():
-        squad = json.loads(Path(SQUAD_PATH).read_text(encoding="utf-8"))["data"]
-    else:
-        from ..data.builtin import builtin_qa
-
-        squad = builtin_qa()["data"]
+    squad = load_squad(None)  # the packaged sample (the product never reads a machine's data layout)
     for art in squad:
         for p in art["paragraphs"]:
             texts.append(p["context"])

@@ -38,12 +38,17 @@ def middle_keep(n: int, budget: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig) -> tuple[str, list[int], torch.Tensor, float]:
-    """Library forward + greedy decoding with a DynamicCache: (text, ids, first logits, ttft seconds)."""
+def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
+              cache: DynamicCache | None = None) -> tuple[str, list[int], torch.Tensor, float]:
+    """Library forward + greedy decoding with a DynamicCache: (text, ids, first logits, ttft seconds).
+
+    ``cache``: an already filled cache (a shared context) that ``ids`` continue; it grows by the
+    question and the answer (the caller crops it back).
+    """
     device = model.lm_head.weight.device
     timer = Timer(device)
     x = torch.tensor([ids], device=device)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
     out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]
     ttft = timer.elapsed()
@@ -60,10 +65,16 @@ def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig) ->
 
 
 def _result(model, tokenizer, example: PreparedExample, keep: list[tuple[int, int]],
-            generation: GenerationConfig) -> MethodResult:
+            generation: GenerationConfig, context: tuple[DynamicCache, int] | None = None) -> MethodResult:
     prompt = example.prompt_ids()
     ids = [t for a, b in keep for t in prompt[a:b]]
-    text, gen, first, ttft = run_plain(model, tokenizer, ids, generation)
+    if context is not None:  # the whole context is cached already: only the question is new
+        cache, n = context
+        text, gen, first, ttft = run_plain(model, tokenizer, ids[n:], generation, cache=cache)
+        if cache.get_seq_length() > n:
+            cache.crop(n - cache.get_seq_length())  # transformers 5: a negative count of tokens to drop
+    else:
+        text, gen, first, ttft = run_plain(model, tokenizer, ids, generation)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * len(ids) * model.lm_head.weight.element_size()
@@ -80,11 +91,26 @@ class Full(EvalMethod):
     name = "full"
     max_length: int = 0
 
+    def limit(self, model) -> int:
+        return self.max_length or model.config.max_position_embeddings
+
+    def prepare(self, model, tokenizer, example):
+        """The context's KV (prefix + documents) once, for every question asked of it."""
+        n = len(example.prefix_ids) + example.context_len
+        if n >= self.limit(model):
+            return None  # the middle cut depends on the question's length: per question
+        cache = DynamicCache(config=model.config)
+        context = torch.tensor([[*example.prefix_ids, *(t for d in example.doc_ids for t in d)]],
+                               device=model.lm_head.weight.device)
+        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, n
+
     def answer(self, model, tokenizer, example, state, generation):
-        limit = self.max_length or (model.config.max_position_embeddings - generation.max_new_tokens)
+        limit = self.limit(model) - generation.max_new_tokens
         if limit <= 0:
             raise ValueError(f"full: max_length {limit} leaves no room for the prompt")
-        return _result(model, tokenizer, example, middle_keep(len(example), limit), generation)
+        keep = middle_keep(len(example), limit)
+        return _result(model, tokenizer, example, keep, generation, state if keep == [(0, len(example))] else None)
 
 
 @dataclass
