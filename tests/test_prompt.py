@@ -43,6 +43,21 @@ def test_stage2_render_equals_the_inference_render_token_for_token():
     _check(tok)
 
 
+def test_messages_data_in_the_project_prompt_is_cut_where_inference_cuts():
+    """A conversation read from a messages JSONL carries no context span: the prompt's own question
+    template marks where the context ends, so training still tokenizes as inference does."""
+    tok = tiny_tokenizer()
+    prompt = PromptFormat(tok)
+    for ex in _examples(tok):
+        # A context ending in a newline: without the cut its "\n" merges with the template's "\n\n".
+        context = ex.messages[0]["content"][ex.context[1]:ex.context[2]] + "Ends with a line.\n"
+        messages = qa_messages(context, ex.meta["question"], ex.meta["answer"], instruction="Read this.")
+        rendered = render_conversation(tok, messages)  # no context span given
+        first_label = int((rendered.labels != IGNORE_INDEX).argmax())
+        expected = prompt.context_ids(context, instruction="Read this.") + prompt.question_ids(ex.meta["question"])
+        assert rendered.input_ids[:first_label].tolist() == expected
+
+
 def test_without_a_chat_template_the_prompt_is_plain_text():
     tok = tiny_tokenizer()
     tok.chat_template = None

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..modeling.interleave import IGNORE_INDEX
 from .errors import DataError
+from .prompt import context_end
 
 Message = dict[str, str]
 
@@ -92,7 +93,11 @@ def render_conversation(
     if context is None:
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         index = max(users, key=lambda i: len(messages[i]["content"])) if users else 0
-        context = (index, 0, len(messages[index]["content"]))
+        content = messages[index]["content"]
+        # A QA turn in the project's prompt: the context ends where the question template starts
+        # (inference cuts the tokens there), else the whole turn counts as context.
+        end = context_end(content)
+        context = (index, 0, len(content) if end is None else end)
     base = content_char_start(tokenizer, messages, context[0], full)
     ctx_chars = (base + context[1], base + context[2])
 

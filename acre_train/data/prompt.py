@@ -24,6 +24,13 @@ def user_content(context: str, question: str, instruction: str | None = None) ->
     return head + context + QUESTION_TEMPLATE.format(question=question)
 
 
+def context_end(content: str) -> int | None:
+    """Where the context ends in a user turn written by :func:`user_content` (None: not such a turn)."""
+    marker = QUESTION_TEMPLATE.split("{question}")[0]
+    at = content.rfind(marker)
+    return at if at >= 0 else None
+
+
 def context_span(context: str, instruction: str | None = None) -> tuple[int, int]:
     """Character range of the context inside :func:`user_content`'s text."""
     start = len(f"{instruction}\n\n") if instruction else 0

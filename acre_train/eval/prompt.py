@@ -46,6 +46,23 @@ class PreparedExample:
         return len(self.prefix_ids) + self.context_len + len(self.suffix_ids)
 
 
+def document_text(index: int, text: str) -> str:
+    """How document ``index`` (0-based) of a documents task reads in the prompt."""
+    return f"Document [{index + 1}]: {text}\n\n"
+
+
+def example_instruction(example: Example) -> str:
+    """The instruction before the context: the example's own, else the default of its kind."""
+    return example.instruction or (DOCS_INSTRUCTION if example.documents is not None else CONTEXT_INSTRUCTION)
+
+
+def example_context(example: Example) -> str:
+    """The context as one text (documents rendered and joined), e.g. for a training conversation."""
+    if example.documents is None:
+        return example.context or ""
+    return "".join(document_text(i, d) for i, d in enumerate(example.documents))
+
+
 def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
@@ -54,12 +71,11 @@ def prepare_example(tokenizer, example: Example, chunk_tokens: int = 512) -> Pre
     """Tokenize ``example`` into the shared prompt layout (BOS, if the tokenizer adds one, in the prefix)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    instruction = example_instruction(example)
     if example.documents is not None:
-        instruction = example.instruction or DOCS_INSTRUCTION
-        docs = [_ids(tokenizer, f"Document [{i + 1}]: {d}\n\n") for i, d in enumerate(example.documents)]
+        docs = [_ids(tokenizer, document_text(i, d)) for i, d in enumerate(example.documents)]
         gold = list(example.gold_docs or [])
     else:
-        instruction = example.instruction or CONTEXT_INSTRUCTION
         docs, gold = _chunk_context(tokenizer, example, chunk_tokens)
     prompt = PromptFormat(tokenizer)
     prefix = prompt.prefix_ids(instruction)

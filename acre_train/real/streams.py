@@ -49,6 +49,44 @@ def write_text_mix(squad_path: str | Path, out: str | Path) -> Path:
         art = data[i]
         rows.append({"text": "\n\n".join(p["context"] for p in art["paragraphs"]),
                      "meta": {"source": "squad-v2-dev", "article": i, "title": art.get("title")}})
+    return write_jsonl(rows, out)
+
+
+# Seeds of the training conversations; evaluation uses EVAL_SEED (never used here).
+STAGE2_SEED = 1000
+EVAL_SEED = 777
+NEEDLE_KINDS = ("niah_single", "niah_multikey", "vt")
+
+
+def answer_text(example) -> str:
+    """The reference answer a training conversation ends with."""
+    if example.substring_mode == "fraction":  # every value / variable name is asked for
+        return ", ".join(example.answers)
+    return example.answers[0]
+
+
+def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: tuple[int, ...],
+                         seed: int = STAGE2_SEED) -> list[dict[str, Any]]:
+    """Long-context QA conversations, half SQuAD (training articles) and half synthetic retrieval.
+
+    Built with the evaluation's own task generators and prompt pieces (instruction, documents,
+    question), at training seeds, so stage 2 trains on exactly the format the study evaluates.
+    """
+    from ..data.prompt import qa_messages
+    from ..eval.prompt import example_context, example_instruction
+    from ..eval.tasks import build_task
+
+    rows = []
+    for i in range(num):
+        length = lengths[i % len(lengths)]
+        kind = "squad" if i % 2 == 0 else NEEDLE_KINDS[(i // 2) % len(NEEDLE_KINDS)]
+        (ex,) = build_task(kind, tokenizer, length, 1, seed + i, squad_path=squad_train)
+        messages = qa_messages(example_context(ex), ex.question, answer_text(ex), instruction=example_instruction(ex))
+        rows.append({"messages": messages, "task": kind, "context_tokens": length, "seed": seed + i})
+    return rows
+
+
+def write_jsonl(rows: list[dict[str, Any]], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
