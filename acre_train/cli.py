@@ -22,7 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "export": ("acre_train.export.cli", "turn a training run or checkpoint (ZeRO-1/2 too) into an inference-ready HF folder"),
     "chat": ("acre_train.infer.chat_cli", "answer questions typed at a prompt about a long context file (export + refilling)"),
     "generate": ("acre_train.infer.generate_cli", "answer a JSONL of (context, question) rows; writes answers with timing and memory"),
-    "reproduce": ("acre_train.mini.cli", "re-run a study end to end: 'mini' trains a small base, ACRE on top, and compares (docs/miniature.md)"),
+    "reproduce": ("acre_train.mini.cli", "re-run a study end to end: 'real' trains and evaluates ACRE on the real 0.5B base (docs/real-base.md)"),
 }
 
 

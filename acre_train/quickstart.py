@@ -73,7 +73,7 @@ def _export(run_dir: Path, export_dir: Path) -> None:
 
 def _answer(export_dir: Path, paragraphs: int) -> None:
     from .data.builtin import builtin_qa
-    from .export.load import load_export, settings_from_export
+    from .infer.load import load_export, settings_from_export
     from .infer import AcreEngine
 
     model, tokenizer, data = load_export(export_dir)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from acre_train.cli import main as cli_main
-from acre_train.export import NotAnAcreExport, check_export_dir, export_model, load_export
+from acre_train.export import export_model
+from acre_train.infer.load import NotAnAcreExport, check_export_dir, load_export
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
 from acre_train.modeling.hf import AcreForCausalLM

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from acre_train.cli import main as cli_main
-from acre_train.export import export_model, load_export
+from acre_train.export import export_model
+from acre_train.infer.load import load_export
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
 from acre_train.tiny import tiny_model

@@ -83,7 +83,7 @@ def _load_model(args, dtype, device):
     from transformers import AutoModelForCausalLM
 
     from ..data.tokenizer import auto_tokenizer
-    from ..export.load import NotAnAcreExport, check_export_dir, load_export
+    from ..infer.load import NotAnAcreExport, check_export_dir, load_export
 
     try:
         check_export_dir(args.model)

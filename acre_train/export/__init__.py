@@ -1,6 +1,8 @@
-"""Export: ACRE checkpoints (ZeRO-1/2 or plain) -> inference-ready Hugging Face folders, and loading them."""
+"""Export: ACRE checkpoints (ZeRO-1/2 or plain) -> inference-ready Hugging Face folders.
 
-from .load import NotAnAcreExport, check_export_dir, load_export, settings_from_export
+Export writes; ``acre_train.infer.load`` reads (``load_export``, ``check_export_dir``).
+"""
+
 from .writer import export_model
 
-__all__ = ["NotAnAcreExport", "check_export_dir", "export_model", "load_export", "settings_from_export"]
+__all__ = ["export_model"]

@@ -39,7 +39,7 @@ def make_engine(args: argparse.Namespace):
     """Load the export and build an ``AcreEngine`` with its settings and the command-line overrides."""
     import torch
 
-    from ..export.load import load_export, settings_from_export
+    from .load import load_export, settings_from_export
     from .engine import AcreEngine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,8 @@
-"""``acre-train reproduce mini [--smoke] [--root DIR] [--steps a,b] [--nice N]``: the miniature study."""
+"""``acre-train reproduce real|mini``: re-run a study end to end (each resumes where it stopped).
+
+* ``real``: ACRE trained and evaluated on the real Qwen2.5-Coder-0.5B base (docs/real-base.md);
+* ``mini``: the earlier from-scratch miniature (docs/miniature.md, kept as history).
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,26 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("study", choices=["mini"], help="which study to reproduce (mini: docs/miniature.md)")
+    parser.add_argument("study", choices=["real", "mini"],
+                        help="real: the real-base study (docs/real-base.md); mini: the miniature (docs/miniature.md)")
+    parser.add_argument("--squad", default=None, help="real: the SQuAD v2 dev JSON (training/evaluation articles)")
+    parser.add_argument("--smoke-base", default=None, help="real --smoke: a small base folder to run the driver on")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes and a few steps per stage (CI: exercises every command in about a minute)")
     parser.add_argument("--root", default=None,
                         help="output directory (default: checkpoints/mini, or checkpoints/mini-smoke with --smoke)")
     parser.add_argument("--steps", default=None,
-                        help="comma-separated subset of: tokenizer,streams,base,base2,export-base,stage1,stage2,"
-                             "vanilla-sft,eval,report (default: all; finished steps are skipped unless an earlier "
-                             "one re-ran)")
+                        help="comma-separated subset of the study's steps (default: all; finished ones are skipped). "
+                             "real: streams,stage1,stage2,export,eval,report; mini: tokenizer,streams,base,base2,"
+                             "export-base,stage1,stage2,vanilla-sft,eval,report")
     parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist (old outputs are kept as "
                              "<name>.replaced-<time>; any later step named re-runs too)")
     parser.add_argument("--nice", type=int, default=0, help="run training subprocesses under nice -n N")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.study == "real":
+        return run_real(args)
     from .study import STEPS, Study, StudyConfig
 
     config = StudyConfig.smoke() if args.smoke else StudyConfig.full()
@@ -35,3 +44,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("step times (s): " + ", ".join(f"{k}={v}" for k, v in timings.items()))
     return 0
+
+
+def run_real(args: argparse.Namespace) -> int:
+    from ..cli import user_errors
+    from ..real.study import STEPS, RealConfig, RealStudy
+
+    def go(args: argparse.Namespace) -> int:
+        config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
+        root = args.root or ("checkpoints/real-smoke" if args.smoke else "checkpoints/real")
+        steps = tuple(s.strip() for s in args.steps.split(",") if s.strip()) if args.steps else STEPS
+        timings = RealStudy(root, args.squad, config, log=lambda m: print(m, flush=True)).run(steps)
+        print("step times (s): " + ", ".join(f"{k}={v}" for k, v in timings.items()))
+        return 0
+
+    return user_errors(go)(args)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..infer.settings import CacheSettings, RefillSettings
+from .settings import CacheSettings, RefillSettings
 
 
 class NotAnAcreExport(ValueError):

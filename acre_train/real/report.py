@@ -1,0 +1,109 @@
+"""The real study's report: one table per (context length, task), 95 % bootstrap intervals, a plot."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .study import RealStudy
+
+BOOTSTRAP = 2000
+ROW_NAMES = {  # (model group, method) -> the row's name in the report
+    ("base", "full"): "full", ("base", "truncated"): "truncated", ("base", "cachefocus"): "cachefocus",
+    ("base", "infoflow"): "infoflow", ("stage0", "acre"): "acre, stage 0 (untrained L1)",
+    ("stage0", "acre-l1"): "acre-l1, stage 0", ("stage1", "acre"): "acre, stage 1",
+    ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
+}
+
+
+def bootstrap_ci(values: list[float], seed: int = 0, rounds: int = BOOTSTRAP) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its 95 % percentile-bootstrap interval (resampling questions)."""
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(rounds))
+    return sum(values) / n, means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def _rows(cell: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (cell / "predictions.jsonl").read_text(encoding="utf-8").splitlines() if line]
+
+
+def collect(study: "RealStudy") -> list[dict[str, Any]]:
+    """One record per (length, task, row) over the finished cells."""
+    from .study import MODELS
+
+    out = []
+    for length in study.config.lengths:
+        for task in study.config.tasks:
+            for model in MODELS:
+                cell = study.cell_dir(length, task, model)
+                if not (cell / "summary.json").is_file():
+                    continue
+                rows = _rows(cell)
+                for method in dict.fromkeys(r["method"] for r in rows):
+                    mine = [r for r in rows if r["method"] == method]
+                    kind = method.split(":")[0]
+                    mean, low, high = bootstrap_ci([100.0 * r["score"] for r in mine])
+                    contexts = {r.get("context_index"): r["prepare_s"] for r in mine}
+                    recall = [r["refill_recall"] for r in mine if r.get("refill_recall") is not None]
+                    out.append({
+                        "length": length, "task": task, "row": ROW_NAMES.get((model, kind), f"{kind} ({model})"),
+                        "method": method, "n": len(mine), "score": mean, "ci_low": low, "ci_high": high,
+                        "kv_pct": 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in mine) / len(mine),
+                        "prefill_s": sum(contexts.values()) / len(contexts),
+                        "answer_s": sum(r["answer_s"] for r in mine) / len(mine),
+                        "refill_recall": 100.0 * sum(recall) / len(recall) if recall else None,
+                    })
+    return out
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    lines: list[str] = []
+    for length in dict.fromkeys(r["length"] for r in records):
+        for task in dict.fromkeys(r["task"] for r in records if r["length"] == length):
+            lines += [f"#### {task}, {length} context tokens\n",
+                      "| row | n | score (95 % CI) | KV attended % | prefill s / context | answer s / question | refill recall % |",
+                      "|---|---:|---|---:|---:|---:|---:|"]
+            for r in (r for r in records if r["length"] == length and r["task"] == task):
+                recall = "–" if r["refill_recall"] is None else f"{r['refill_recall']:.0f}"
+                lines.append(f"| {r['row']} (`{r['method']}`) | {r['n']} | {r['score']:.1f} ({r['ci_low']:.1f}–{r['ci_high']:.1f}) "
+                             f"| {r['kv_pct']:.1f} | {r['prefill_s']:.1f} | {r['answer_s']:.2f} | {recall} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(dict.fromkeys((r["length"], r["task"]) for r in records))
+    fig, axes = plt.subplots(1, max(1, len(cells)), figsize=(4.2 * max(1, len(cells)), 3.8), squeeze=False)
+    for ax, (length, task) in zip(axes[0], cells):
+        for r in (r for r in records if r["length"] == length and r["task"] == task):
+            ax.errorbar(r["kv_pct"], r["score"], yerr=[[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]],
+                        fmt="o", capsize=3)
+            ax.annotate(r["row"], (r["kv_pct"], r["score"]), textcoords="offset points", xytext=(3, 3), fontsize=6)
+        ax.set_title(f"{task}, {length} tokens", fontsize=9)
+        ax.set_xlabel("KV attended (% of the prompt)")
+        ax.set_ylabel("score (mean × 100, 95 % CI)")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(study: "RealStudy") -> Path:
+    records = collect(study)
+    out = study.root / "report.md"
+    (study.root / "report.json").write_text(json.dumps(records, indent=2) + "\n")
+    if records:
+        plot(records, study.root / "report.png")
+    out.write_text(markdown(records) + "\n", encoding="utf-8")
+    return out

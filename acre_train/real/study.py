@@ -1,0 +1,255 @@
+"""``acre-train reproduce real``: ACRE trained and evaluated on the real 0.5B base, one resumable command.
+
+Steps (each skipped when its output exists, so the command continues where it stopped):
+
+* ``streams``  training inputs split from the evaluation by SQuAD article (``streams.py``);
+* ``stage1``, ``stage2``  ``acre-train train recipes/qwen2.5-0.5b/stageN.yaml`` with resume=latest;
+* ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
+* ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
+               written atomically, so an interrupted evaluation redoes at most one cell;
+* ``report``   ``report.md`` (+ ``report.json``, plot) with 95 % bootstrap intervals.
+
+Evaluation settings are fixed here, before any result: seeds, lengths, questions per context, the
+ACRE inference geometry and refill budget; ``truncated`` gets the budget the ``acre`` row attended.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
+
+BASE = "base:qwen2.5-coder-0.5b-instruct"
+STEPS = ("streams", "stage1", "stage2", "export", "eval", "report")
+RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora"}
+# Model groups of the evaluation, in the order they run, and the rows each answers.
+MODELS = {
+    "stage0": ("acre", "acre-l1"),
+    "base": ("full", "truncated", "cachefocus", "infoflow"),
+    "stage1": ("acre",),
+    "stage2": ("acre", "acre-l1"),
+}
+
+
+@dataclass
+class RealConfig:
+    """What sizes the evaluation (fixed before results); ``smoke()`` runs the driver on a tiny model."""
+
+    lengths: tuple[int, ...] = (2048, 4096)
+    tasks: tuple[str, ...] = ("squad", "niah_multikey")
+    questions: int = 40
+    questions_per_context: int = 4
+    max_new_tokens: int = 24
+    cachefocus: str = "cachefocus"  # the paper's n=4 pruning interval (smoke: n=1 on a 2-layer model)
+    inference: dict[str, int] = field(default_factory=lambda: {
+        "first_chunk": 1024, "stride": 512, "interval": 32, "working_window": 32768, "max_refill": 192})
+    stage2_conversations: int = 96
+    stage2_lengths: tuple[int, ...] = (1024, 1536, 2048, 2560)
+    base: str = BASE
+    recipes: str = "recipes/qwen2.5-0.5b"
+    overrides: tuple[str, ...] = ()  # extra key=value for both training runs (smoke: tiny sizes)
+
+    @classmethod
+    def smoke(cls, base: str) -> "RealConfig":
+        return cls(lengths=(300,), tasks=("squad", "niah_multikey"), questions=2, questions_per_context=2,
+                   max_new_tokens=3, cachefocus="cachefocus:n=1", inference={"first_chunk": 64, "stride": 32, "interval": 8,
+                                                "working_window": 4096, "max_refill": 32},
+                   stage2_conversations=4, stage2_lengths=(200,), base=base,
+                   overrides=(f"model.source={base}", f"data.prepare.tokenizer={base}", "train.max_steps=1",
+                              "checkpoint.every_steps=1", "data.prepare.first_chunk=64", "data.prepare.stride=32",
+                              "data.prepare.min_length=128", "data.prepare.max_length=256",
+                              "logging.progress_bar=false"))
+
+
+class RealStudy:
+    def __init__(self, root: str | Path, squad: str | Path | None, config: RealConfig | None = None,
+                 log: Callable[[str], None] = print):
+        self.root = Path(root)
+        self.squad = Path(squad) if squad else None
+        self.config = config or RealConfig()
+        self.log = log
+
+    # -------------------------------------------------------------------------------- paths
+
+    @property
+    def streams(self) -> Path:
+        return self.root / "streams"
+
+    def run_dir(self, stage: str) -> Path:
+        return self.root / "runs" / RUNS[stage]
+
+    def export_dir(self, model: str) -> Path:
+        return self.root / "exports" / model
+
+    def cell_dir(self, length: int, task: str, model: str) -> Path:
+        return self.root / "eval" / str(length) / task / model
+
+    # ------------------------------------------------------------------------------ running
+
+    def run(self, steps: tuple[str, ...] = STEPS) -> dict[str, float]:
+        unknown = [s for s in steps if s not in STEPS]
+        if unknown:
+            raise ValueError(f"unknown step(s) {unknown}; steps: {', '.join(STEPS)}")
+        timings = {}
+        for step in STEPS:
+            if step in steps:
+                tic = time.time()
+                getattr(self, "step_" + step)()
+                timings[step] = round(time.time() - tic, 1)
+        return timings
+
+    def _need_squad(self) -> Path:
+        if self.squad is None or not self.squad.is_file():
+            raise FileNotFoundError("the real study needs the SQuAD v2 dev JSON: pass --squad PATH "
+                                    f"(got {self.squad})")
+        return self.squad
+
+    def step_streams(self) -> None:
+        from ..data.tokenizer import auto_tokenizer
+
+        out = self.streams
+        if (out / "manifest.json").is_file():
+            self.log(f"streams: {out} exists; skipped")
+            return
+        squad = self._need_squad()
+        train, held = split_articles(squad)
+        subset_squad(squad, train, out / "squad-train.json")
+        subset_squad(squad, held, out / "squad-heldout.json")
+        write_text_mix(squad, out / "text-mix.jsonl")
+        tok = auto_tokenizer(self.config.base)
+        rows = stage2_conversations(tok, out / "squad-train.json", self.config.stage2_conversations,
+                                    self.config.stage2_lengths)
+        write_jsonl(rows, out / "stage2.jsonl")
+        manifest = {"squad": str(squad), "train_articles": train, "heldout_articles": held,
+                    "stage2_conversations": len(rows), "eval_seed": EVAL_SEED}
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        self.log(f"streams: wrote {out} ({len(train)} training / {len(held)} held-out SQuAD articles)")
+
+    def _train(self, stage: str) -> None:
+        from ..train.checkpoint import latest_checkpoint, read_meta
+
+        recipe = Path(self.config.recipes) / f"{stage}.yaml"
+        run = self.run_dir(stage)
+        newest = latest_checkpoint(run) if run.is_dir() else None
+        target = self._max_steps(recipe)
+        if newest is not None and read_meta(newest).get("step") == target:
+            self.log(f"{stage}: finished ({newest}); skipped")
+            return
+        data = {"stage1": "text-mix.jsonl", "stage2": "stage2.jsonl"}[stage]
+        args = [sys.executable, "-m", "acre_train.cli", "train", str(recipe), f"output_root={run.parent}",
+                f"run_name={run.name}", f"data.path={self.root / 'data' / stage}",
+                f"data.prepare.inputs=[{self.streams / data}]", "checkpoint.resume_from_checkpoint=latest",
+                *self.config.overrides]
+        if stage == "stage2":
+            args.append(f"model.init_from={self.run_dir('stage1')}")
+        self.log(f"{stage}: {' '.join(args[2:])}")
+        subprocess.run(args, check=True)
+
+    def _max_steps(self, recipe: Path) -> int | None:
+        from ..train.recipe import load_recipe
+
+        pairs = [o for o in self.config.overrides if o.startswith("train.max_steps=")]
+        return load_recipe(recipe, pairs).train.max_steps
+
+    def step_stage1(self) -> None:
+        self._train("stage1")
+
+    def step_stage2(self) -> None:
+        self._train("stage2")
+
+    def step_export(self) -> None:
+        import torch
+
+        from ..base.fetch import resolve_source
+        from ..data.tokenizer import auto_tokenizer
+        from ..export import export_model
+        from ..export.checkpoint import load_checkpoint_model
+        from ..modeling import attach_acre
+
+        base = resolve_source(self.config.base)
+        tok = auto_tokenizer(base)
+        for model in ("stage0", "stage1", "stage2"):
+            out = self.export_dir(model)
+            if (out / "config.json").is_file():
+                continue
+            if model == "stage0":  # untrained L1: copies of the base projections
+                from transformers import AutoModelForCausalLM
+
+                acre = attach_acre(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
+                source = {"stage": 0}
+            else:
+                loaded = load_checkpoint_model(str(self.run_dir(model)))
+                acre, source = loaded.model, {"checkpoint": str(loaded.checkpoint), "step": loaded.meta.get("step")}
+            export_model(acre, out, tokenizer=tok, adapter_only=True, base_model=base,
+                         inference=dict(self.config.inference), source=source)
+            self.log(f"export: {model} -> {out}")
+            del acre
+
+    def step_eval(self) -> None:
+        for length in self.config.lengths:
+            for task in self.config.tasks:
+                for model in MODELS:
+                    self._eval_cell(length, task, model)
+
+    def _examples(self, tokenizer, length: int, task: str):
+        from ..eval.tasks import build_task
+
+        return build_task(task, tokenizer, length, self.config.questions, EVAL_SEED,
+                          squad_path=self.streams / "squad-heldout.json",
+                          questions_per_context=self.config.questions_per_context)
+
+    def _methods(self, length: int, task: str, model: str) -> list[str]:
+        rows = [self.config.cachefocus if r == "cachefocus" else r for r in MODELS[model]]
+        if "truncated" in rows:  # the budget the acre row attended at this cell (stage 0: same geometry)
+            acre = json.loads((self.cell_dir(length, task, "stage0") / "summary.json").read_text())
+            budget = int(round(acre["overall"]["acre"]["kv_attended"]))
+            rows[rows.index("truncated")] = f"truncated:budget={budget}"
+        return rows
+
+    def _eval_cell(self, length: int, task: str, model: str) -> None:
+        import torch
+
+        from ..base.fetch import resolve_source
+        from ..data.tokenizer import auto_tokenizer
+        from ..eval.harness import EvalConfig, evaluate
+        from ..eval.methods import parse_methods
+
+        out = self.cell_dir(length, task, model)
+        if (out / "summary.json").is_file():
+            return
+        methods = parse_methods(",".join(self._methods(length, task, model)))
+        if model == "base":
+            from transformers import AutoModelForCausalLM
+
+            path = resolve_source(self.config.base)
+            net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        else:
+            from ..infer.load import load_export
+
+            net, _, _ = load_export(self.export_dir(model))
+            path = resolve_source(self.config.base)
+        tok = auto_tokenizer(path)
+        examples = self._examples(tok, length, task)
+        self.log(f"eval {length}/{task}/{model}: {len(examples)} questions, rows {[m.label() for m in methods]}")
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tic = time.time()
+        evaluate(net, tok, examples, methods, config=EvalConfig(self.config.max_new_tokens, progress=True), out_dir=tmp)
+        (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "length": length,
+                                                   "task": task, "model": model, "seed": EVAL_SEED,
+                                                   "config": asdict(self.config)}, indent=2) + "\n")
+        tmp.replace(out)
+        del net
+
+    def step_report(self) -> None:
+        from .report import write_report
+
+        path = write_report(self)
+        self.log(f"report: {path}")
