@@ -86,3 +86,31 @@ def test_lora_run_trains_exports_adapter_only_and_reloads(tmp_path, capsys):
     # A full export of a LoRA run reloads too (frozen copies + LoRA in one folder).
     full = export_model(trained, tmp_path / "full", inference={"first_chunk": 32, "stride": 16, "interval": 4})
     torch.testing.assert_close(_logits(load_export(full)[0]), _logits(trained), rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_lm_head_loss_gives_the_one_shot_loss_and_l1_gradients():
+    """Loss computed 7 labelled tokens at a time (logits recomputed in backward) equals full logits."""
+    from acre_train.modeling import adapter
+
+    def grads(rows: int | None):
+        model = attach_acre(tiny_model("qwen2", vocab_size=1024, eos_token_id=0, seed=4), lora=LORA)
+        with torch.no_grad():
+            for name, p in acre_parameters(model):
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        if rows is None:  # reference: every logit at once
+            out = acre_forward(model, **_batch(), return_logits=True)
+        else:
+            old, adapter.LM_HEAD_ROWS = adapter.LM_HEAD_ROWS, rows
+            try:
+                out = acre_forward(model, **_batch())
+            finally:
+                adapter.LM_HEAD_ROWS = old
+        out.loss_sum.backward()
+        return out.loss_sum.detach(), {n: p.grad.clone() for n, p in acre_parameters(model)}
+
+    ref_loss, ref = grads(None)
+    loss, got = grads(7)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ BOOTSTRAP = 2000
 ROW_NAMES = {  # (model group, method) -> the row's name in the report
     ("base", "full"): "full", ("base", "truncated"): "truncated", ("base", "cachefocus"): "cachefocus",
     ("base", "infoflow"): "infoflow", ("stage0", "acre"): "acre, stage 0 (untrained L1)",
-    ("stage0", "acre-l1"): "acre-l1, stage 0", ("stage1", "acre"): "acre, stage 1",
+("stage1", "acre"): "acre, stage 1",
     ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
 }
 
