@@ -114,3 +114,20 @@ def test_chunked_lm_head_loss_gives_the_one_shot_loss_and_l1_gradients():
     assert got.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
+
+
+def test_step_flop_estimate_agrees_with_torch_flop_counter():
+    """The trainer's GFLOP/s figure rests on step_flops; torch counts every matmul of the same step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from acre_train.train.cost import step_flops
+
+    model = attach_acre(tiny_model("qwen2", vocab_size=1024, eos_token_id=0, seed=5, hidden_size=128,
+                                   intermediate_size=256, num_attention_heads=4, num_key_value_heads=2), lora=LORA)
+    batch = _batch()
+    with FlopCounterMode(display=False) as counter:
+        loss_sum, count = LossModule(model)(**batch)
+        loss_sum.backward()
+    measured = counter.get_total_flops()
+    estimate = step_flops(model, [batch])
+    assert 0.8 < estimate / measured < 1.2, (estimate, measured)

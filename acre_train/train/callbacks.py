@@ -53,7 +53,8 @@ class StepLogger:
             return
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                 gflops=f"{metrics.get('rank_gflops_per_s', 0):.0f}")
         if step % self.every and not metrics.get("final"):
             return
         self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")

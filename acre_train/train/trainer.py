@@ -31,6 +31,7 @@ import torch
 from . import checkpoint as ckpt
 from .batching import Collator, epoch_batches, label_count, list_lengths, rank_micro_batches
 from .callbacks import StepLogger, peak_memory_mib
+from .cost import step_flops
 from .distributed import DistInfo, setup, teardown
 from .liger import apply_liger
 from .model import LossModule, base_reference, build_model, load_base, load_trainable_state, save_base, trainable_state
@@ -259,6 +260,7 @@ class Trainer:
                 tokens_run += metrics["tokens"]
                 time_run += elapsed
                 metrics.update(epoch=epoch + index / self.steps_per_epoch, tokens_per_s=metrics["tokens"] / elapsed,
+                               rank_gflops_per_s=1e3 * metrics["rank_tflop"] / elapsed,
                                step_seconds=elapsed, peak_memory_mib=peak_memory_mib(self.info.device))
                 result.losses.append(metrics["loss"])
                 result.steps = step
@@ -297,7 +299,9 @@ class Trainer:
         chunks = sum(mix.values())
         tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
         self.tokens_seen += tokens
+        flops = step_flops(self.model, tensors, trains_base=self.recipe.mode == "vanilla")
         metrics = {"loss": loss_sum / max(global_labels, 1.0), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                   "rank_tflop": flops / 1e12,
                    "tokens_seen": self.tokens_seen, "label_tokens": int(global_labels),
                    "rank_chunk_spread": self.rank_chunk_spread(batch)}
         metrics.update({f"l1_interval_mix/{k}": v / chunks for k, v in sorted(mix.items())})
