@@ -76,7 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser_for(argv)
-    args = parser.parse_args(argv)
+    # key=value overrides may follow options too (``train R --overwrite k=v``): argparse stops
+    # filling a positional list at the first option, so collect the stragglers here.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if hasattr(args, "overrides") and all("=" in u and not u.startswith("-") for u in unknown):
+            args.overrides = [*args.overrides, *unknown]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "verb", None):
         parser.print_help()
         return 0

@@ -56,7 +56,8 @@ def _train(recipe_name: str, out: Path, run_name: str, steps: int, *extra: str) 
     from .train import load_recipe, train, validate_recipe
 
     overrides = [f"run_name={run_name}", f"output_root={out}", f"data.path={out}/data/{run_name}",
-                 f"train.max_steps={steps}", "checkpoint.every_steps=null", *extra]
+                 f"train.max_steps={steps}", "checkpoint.every_steps=null",
+                 "checkpoint.overwrite=true", *extra]  # the quickstart re-runs from scratch every time
     recipe = validate_recipe(load_recipe(RECIPES / recipe_name, overrides))
     result = train(recipe)
     print(f"{run_name}: {result.steps} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "

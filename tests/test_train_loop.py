@@ -215,3 +215,41 @@ def test_gradient_checkpointing_trains_identically(workdir):
     b = load_file(str(ckpt.last_checkpoint / "trainable.safetensors"))
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
+
+
+def test_a_run_dir_belongs_to_one_run(workdir, capsys):
+    """Relaunching a finished run without resume is refused (nothing of it is touched); overwrite
+    replaces it; a shorter run never has its own newest checkpoint pruned."""
+    from acre_train.cli import main as cli_main
+    from acre_train.train.recipe import check_recipe
+
+    _, long = run(recipe(workdir, "owned", "train.max_steps=6"))
+    before = sorted(p.name for p in (workdir / "owned").iterdir())
+    problems = check_recipe(recipe(workdir, "owned", "train.max_steps=2"))
+    assert any("already belongs to a run (its newest checkpoint is checkpoint-6)" in p for p in problems)
+    args = ["train", str(ROOT / "recipes/tiny_stage1.yaml"), f"run_name=owned", f"output_root={workdir}",
+            f"data.path={workdir / 'data1'}", *SMALL_DATA, "train.max_steps=2", "logging.progress_bar=false"]
+    assert cli_main(args) == 2
+    assert "checkpoint.resume_from_checkpoint=latest" in capsys.readouterr().err
+    assert sorted(p.name for p in (workdir / "owned").iterdir()) == before
+    assert cli_main(args + ["--overwrite", "checkpoint.every_steps=1"]) == 0
+    kept = sorted(p.name for p in (workdir / "owned").glob("checkpoint-*"))
+    assert kept == ["checkpoint-1", "checkpoint-2"]  # the earlier run's 4 and 6 are gone, the new 2 is kept
+    assert (workdir / "owned" / "latest").read_text().strip() == "checkpoint-2"
+    steps = [json.loads(line)["step"] for line in (workdir / "owned" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # no lines of the replaced run
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
+    for step in (38, 39, 40):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "acre_checkpoint.json").write_text("{}")
+    from acre_train.train.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save_checkpoint(tmp_path, 5, rank=0, barrier=lambda: None, trainable={"w": model.weight}, meta={"step": 5},
+                    recipe_yaml="", optimizer=opt, scheduler=sched, keep_last=2)
+    assert (tmp_path / "checkpoint-5" / "acre_checkpoint.json").is_file()
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-5"

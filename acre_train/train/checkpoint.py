@@ -145,7 +145,10 @@ def save_checkpoint(
         _publish(tmp, final)
         _write_text_atomic(run_dir / LATEST, final.name + "\n")
         if keep_last:
-            for old in list_checkpoints(run_dir)[:-keep_last]:
+            # Only older steps are pruned, never the checkpoint just written: the newest keep_last
+            # steps up to this one stay.
+            older = [c for c in list_checkpoints(run_dir) if int(c.name[11:]) < step]
+            for old in older[:max(0, len(older) - (keep_last - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final

@@ -12,6 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. train.learning_rate=1e-4 checkpoint.resume_from_checkpoint=latest")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run in the run dir (= checkpoint.overwrite=true)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from .trainer import train
 
     try:
-        recipe = validate_recipe(load_recipe(args.recipe, args.overrides), source=args.recipe)
+        overrides = list(args.overrides) + (["checkpoint.overwrite=true"] if getattr(args, "overwrite", False) else [])
+        recipe = validate_recipe(load_recipe(args.recipe, overrides), source=args.recipe)
         result = train(recipe)
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -122,6 +122,7 @@ class CheckpointSection(_Section):
     every_steps: int | None = Field(None, ge=1)  # None: only at the end
     keep_last: int | None = Field(2, ge=1)
     resume_from_checkpoint: str | None = None  # "latest" or a checkpoint directory
+    overwrite: bool = False  # start afresh in a run dir that holds an earlier run (its checkpoints and logs go)
     stop_after_step: int | None = Field(None, ge=1)  # stop (after saving) at this step: interruption drills
 
 
@@ -422,8 +423,30 @@ def _check_deepspeed(recipe: Recipe, world_size: int) -> list[str]:
     return problems
 
 
+RUN_FILES = ("metrics.jsonl", "tensorboard", "latest")  # what a run writes besides checkpoint-N/
+
+
+def earlier_run(run_dir: Path) -> str | None:
+    """What shows that ``run_dir`` belongs to a run already (None: free to start in)."""
+    from .checkpoint import list_checkpoints
+
+    checkpoints = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    if checkpoints:
+        return f"its newest checkpoint is {checkpoints[-1].name}"
+    logged = [name for name in RUN_FILES if (run_dir / name).exists()]
+    return f"it holds {', '.join(logged)}" if logged else None
+
+
 def _check_resume(recipe: Recipe) -> list[str]:
     resume = recipe.checkpoint.resume_from_checkpoint
+    if not resume and not recipe.checkpoint.overwrite:
+        found = earlier_run(recipe.run_dir)
+        if found:
+            return [f"run dir {recipe.run_dir} already belongs to a run ({found}); continue it with "
+                    "checkpoint.resume_from_checkpoint=latest, replace it with checkpoint.overwrite=true "
+                    "(or --overwrite), or choose another run_name"]
+    if resume and recipe.checkpoint.overwrite:
+        return ["checkpoint.overwrite=true and checkpoint.resume_from_checkpoint are both set; keep one"]
     if not resume or resume == "latest":
         return []
     if not Path(resume).is_dir():

@@ -172,12 +172,26 @@ class Trainer:
 
     def prepare_run_dir(self) -> None:
         if self.info.is_main:
+            if self.recipe.checkpoint.overwrite:
+                self.clear_earlier_run()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(self.recipe.to_yaml(), encoding="utf-8")
             base_dir = self.run_dir / "base_model"
             if self.recipe.model.source.startswith("tiny:") and self.recipe.model.save_base and not base_dir.exists():
                 save_base(load_base(self.recipe), base_dir, self.recipe)
         self.info.barrier()
+
+    def clear_earlier_run(self) -> None:
+        """``checkpoint.overwrite``: remove what an earlier run wrote here (checkpoints, logs), nothing else."""
+        import shutil
+
+        from .recipe import RUN_FILES
+
+        for path in [*ckpt.list_checkpoints(self.run_dir), *(self.run_dir / n for n in RUN_FILES)]:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
     def summary(self) -> str:
         """What is about to run, in a few lines a person reads before the first step."""
