@@ -253,3 +253,14 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
                     recipe_yaml="", optimizer=opt, scheduler=sched, keep_last=2)
     assert (tmp_path / "checkpoint-5" / "acre_checkpoint.json").is_file()
     assert (tmp_path / "latest").read_text().strip() == "checkpoint-5"
+
+
+def test_resume_refuses_a_changed_learning_rate_and_applies_a_longer_run(workdir):
+    run(recipe(workdir, "changed", "checkpoint.stop_after_step=2"))
+    with pytest.raises(CheckpointMismatch, match=r"train.learning_rate: 0.001 -> 0.0005"):
+        run(recipe(workdir, "changed", "checkpoint.resume_from_checkpoint=latest", "train.learning_rate=5e-4"))
+    messages: list[str] = []
+    trainer = Trainer(recipe(workdir, "changed", "checkpoint.resume_from_checkpoint=latest", "train.max_steps=5"),
+                      setup(use_deepspeed=False), log=messages.append)
+    assert trainer.run().steps == 5
+    assert any("train.max_steps: 4 -> 5 (applied)" in m for m in messages)

@@ -185,6 +185,36 @@ def load_rng(checkpoint: Path, rank: int) -> None:
         restore_rng(torch.load(path, weights_only=False))
 
 
+# Recipe keys a resume may change (prefix match): bookkeeping, step budget, how the same math is run.
+# Data and base changes are caught by the identity fields (data fingerprint, base reference).
+RESUME_MAY_CHANGE = (
+    "run_name", "output_root", "train.max_steps", "train.epochs", "train.micro_batch_size",
+    "train.gradient_accumulation_steps", "train.deepspeed", "train.liger.", "logging.", "checkpoint.", "data.",
+    "model.init_from", "model.kernel", "model.gradient_checkpointing", "model.attn_implementation", "model.save_base",
+)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def recipe_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(changes a resume applies, changes it refuses) between a checkpoint's recipe and the current one."""
+    old, new = _flatten(saved), _flatten(current)
+    applied, refused = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+            (applied if key.startswith(RESUME_MAY_CHANGE) else refused).append(line)
+    return applied, refused
+
+
 def check_compatible(meta: dict[str, Any], expected: dict[str, Any], checkpoint: Path) -> None:
     """Raise :class:`CheckpointMismatch` naming every field where ``meta`` differs from ``expected``.
 

@@ -220,6 +220,7 @@ class Trainer:
             return 0
         meta = ckpt.read_meta(path)
         ckpt.check_compatible(meta, self.identity(), path)
+        self.check_recipe_changes(path)
         if self.engine is not None:
             loaded, _ = self.engine.load_checkpoint(str(path / ckpt.DS_DIR), tag=ckpt.DS_TAG, load_module_strict=False)
             if loaded is None:
@@ -232,6 +233,25 @@ class Trainer:
         self.tokens_seen = int(meta["tokens_seen"])
         self.log(f"resumed from {path} at step {meta['step']}")
         return int(meta["step"])
+
+    def check_recipe_changes(self, checkpoint: Path) -> None:
+        """Resume continues the saved optimizer and schedule: a changed learning rate, scheduler or other
+        optimisation setting would be silently ignored, so it is refused; step budget, logging and
+        checkpoint cadence may change (and the change is logged)."""
+        import yaml
+
+        saved_file = checkpoint / "recipe.yaml"
+        if not saved_file.is_file():
+            return
+        applied, refused = ckpt.recipe_changes(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {},
+                                               self.recipe.model_dump(mode="json"))
+        if refused:
+            raise ckpt.CheckpointMismatch(
+                f"resuming {checkpoint} with a changed recipe; these settings cannot change mid-run (the saved "
+                "optimizer/schedule would ignore them):\n" + "\n".join(f"  - {c}" for c in refused)
+                + "\nrestore them, or start a new run_name (model.init_from can start from this checkpoint)")
+        for change in applied:
+            self.log(f"resume: {change} (applied)")
 
     def save(self, step: int) -> Path:
         meta = {
