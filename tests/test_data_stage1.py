@@ -208,3 +208,19 @@ def test_cli_run_and_debug_on_builtin_text(tmp_path, capsys):
     ds, manifest = load_prepared(tmp_path / "o")
     assert manifest["settings"]["builtin"] and sum(ds["num_raw_tokens"]) <= 3000
     assert main([*args]) == 2 and "--output is required" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_only_a_prepared_dataset_and_cleans_stale_partials(tmp_path, corpus):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("years of work")
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        prepare_stage1(_settings(tmp_path, corpus, "notes", overwrite=True))
+    assert (mine / "thesis.txt").read_text() == "years of work"
+    stale = tmp_path / ".out.partial-killed"
+    stale.mkdir()
+    (stale / "half.arrow").write_bytes(b"\0" * 10)
+    first = prepare_stage1(_settings(tmp_path, corpus))
+    assert not stale.exists()
+    again = prepare_stage1(_settings(tmp_path, corpus, seed=5, overwrite=True))  # a dataset: replaced
+    assert again == first and load_prepared(again)[1]["settings"]["seed"] == 5

@@ -77,7 +77,12 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
             "pass --overwrite (in a recipe: data.prepare.overwrite=true) to replace it, or choose another "
             "output (data.path)"
         )
+    if path.exists() and not is_prepared_dataset(path):
+        raise DataError(f"{path} exists and is not a prepared dataset (no manifest.json): --overwrite only "
+                        "replaces what acre-train prepared; choose another output (data.path)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.partial-*"):  # left by a killed preparation
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
         yield tmp
@@ -93,6 +98,12 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_prepared_dataset(path: Path) -> bool:
+    """A folder acre-train prepared (finished or not: it has a manifest), or an empty one."""
+    path = Path(path)
+    return path.is_dir() and ((path / MANIFEST).is_file() or not any(path.iterdir()))
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
