@@ -155,6 +155,31 @@ def test_generate_and_chat_commands_answer_from_an_export(exports, tmp_path, cap
     printed = capsys.readouterr().out
     assert printed.count("refilled") == 2 and (tmp_path / "c.safetensors").is_file()
 
+    # The saved cache is reused only with the context it holds; flipped bytes are refused.
+    (tmp_path / "other.txt").write_text("Another text entirely. " * 6)
+    for ctx, code in (("ctx.txt", 0), ("other.txt", 2), ("missing.txt", 2)):
+        argv = ["chat", str(full), "--context", str(tmp_path / ctx), "--load-cache", str(tmp_path / "c.safetensors")]
+        assert run_chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("\n")) == code, ctx
+    assert "holds another context" in capsys.readouterr().err
+    raw = bytearray((tmp_path / "c.safetensors").read_bytes())
+    raw[-7] ^= 0xFF  # a flipped byte inside the tensor data
+    (tmp_path / "c.safetensors").write_bytes(bytes(raw))
+    argv = ["chat", str(full), "--context", str(tmp_path / "ctx.txt"), "--load-cache", str(tmp_path / "c.safetensors")]
+    assert run_chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("\n")) == 2
+    assert "checksum" in capsys.readouterr().err
+
+
+def test_generate_keeps_the_previous_output_when_a_row_is_bad(exports, tmp_path, capsys):
+    _, full, _, _ = exports
+    out = tmp_path / "answers.jsonl"
+    out.write_text("previous answers\n")
+    for bad in ({"id": 1, "question": "Who?", "context": 42}, {"id": 2, "question": "", "context": "text"},
+                {"id": 3, "question": "Who?", "context_file": str(tmp_path / "nowhere.txt")}):
+        (tmp_path / "in.jsonl").write_text(json.dumps({"question": "ok?", "context": "fine text"}) + "\n" + json.dumps(bad) + "\n")
+        assert cli_main(["generate", str(full), "--input", str(tmp_path / "in.jsonl"), "--output", str(out)]) == 2
+        assert "in.jsonl:2:" in capsys.readouterr().err
+        assert out.read_text() == "previous answers\n" and not list(tmp_path.glob(".answers*"))
+
 
 # ------------------------------------------------------------------------------------- bad input
 
@@ -166,8 +191,12 @@ def test_folders_that_are_not_acre_exports_are_clear_errors(exports, tmp_path, c
         check_export_dir(tmp_path)
     with pytest.raises(NotAnAcreExport, match="model_type 'qwen2', expected 'acre'"):
         load_export(root / "base")
-    assert cli_main(["generate", str(root / "base"), "--input", "x.jsonl", "--output", "y.jsonl"]) == 2
-    assert "is not an ACRE export" in capsys.readouterr().err and not Path("y.jsonl").exists()
+    (tmp_path / "x.jsonl").write_text(json.dumps({"question": "q?", "context": "some text"}) + "\n")
+    out = tmp_path / "y.jsonl"
+    assert cli_main(["generate", str(root / "base"), "--input", str(tmp_path / "x.jsonl"), "--output", str(out)]) == 2
+    assert "holds no tokenizer files" in capsys.readouterr().err and not out.exists()
+    assert cli_main(["generate", str(tmp_path), "--input", str(tmp_path / "x.jsonl"), "--output", str(out)]) == 2
+    assert "is not an ACRE export: it has no config.json" in capsys.readouterr().err
     assert cli_main(["export", str(tmp_path / "no-run"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint directory nor a run directory" in capsys.readouterr().err
 

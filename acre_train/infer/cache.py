@@ -16,6 +16,7 @@ Layout (batch size 1, every tensor per layer stacked on dim 0):
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ class BiLayerCache:
     tail_ids: list[int]
     carry: int  # raw tokens counted towards the next L1 group when the tail starts
     num_context_tokens: int
+    context_digest: str = ""  # SHA-256 of the context's token ids: a saved cache names what it holds
 
     @property
     def num_l1(self) -> int:
@@ -94,10 +96,13 @@ class BiLayerCache:
             "l2_keys": self.l2_keys, "l2_values": self.l2_values, "span_bounds": self.span_bounds,
             "tail_ids": torch.tensor(self.tail_ids, dtype=torch.int64),
         }
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
-                "carry": self.carry, "num_context_tokens": self.num_context_tokens}
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
-                  metadata={"acre_cache": json.dumps(meta)})
+                "carry": self.carry, "num_context_tokens": self.num_context_tokens,
+                "context_digest": self.context_digest, "checksum": tensors_digest(tensors)}
+        tmp = path.with_name(f".{path.name}.partial")
+        save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
+        os.replace(tmp, path)  # a half-written cache never carries the final name
         return path
 
     @classmethod
@@ -108,7 +113,11 @@ class BiLayerCache:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no cache file at {path}")
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
+            raise CacheMismatchError(f"{path} is not a readable cache file ({exc}); rebuild it") from exc
+        with handle as f:
             raw_meta = (f.metadata() or {}).get("acre_cache")
             if raw_meta is None:
                 raise CacheMismatchError(f"{path} is not an ACRE bi-layer cache (no 'acre_cache' metadata)")
@@ -125,6 +134,8 @@ class BiLayerCache:
                     f"{path} was built by another model (fingerprint {meta['fingerprint'][:12]}, this model "
                     f"{expected[:12]}: different weights, dtype or architecture); rebuild the cache")
             t = {k: f.get_tensor(k) for k in f.keys()}
+        if meta.get("checksum") and tensors_digest(t) != meta["checksum"]:
+            raise CacheMismatchError(f"{path}: the stored tensors do not match their checksum (a damaged file); rebuild it")
         device = _device_of(model)
         l1_keys = t["l1_keys"].to(device)
         return cls(
@@ -132,7 +143,7 @@ class BiLayerCache:
             l1_keys_rot=rotate(model, l1_keys, torch.arange(l1_keys.shape[2])),
             l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
             span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
-            num_context_tokens=int(meta["num_context_tokens"]),
+            num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
         )
 
 
@@ -284,8 +295,22 @@ def build_cache(
         l1_values=stack(l1_v, device), l2_keys=l2_keys, l2_values=l2_values,
         span_bounds=torch.as_tensor(np.concatenate([[0], span_ends]), dtype=torch.int64),
         tail_ids=ids[raw_done:].tolist(), carry=raw_done - int(span_ends[-1] if len(span_ends) else 0),
-        num_context_tokens=len(ids),
+        num_context_tokens=len(ids), context_digest=context_digest(ids),
     )
+
+
+def context_digest(ids: Sequence[int] | np.ndarray) -> str:
+    """SHA-256 of a context's token ids (what ``chat --load-cache --context`` compares)."""
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's bytes, in name order: flipped bytes in a saved cache are refused."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _finished_len(plan, done: int) -> int:

@@ -15,7 +15,8 @@ from .memory import peak_memory_mib
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("export", help="a folder written by 'acre-train export'")
+    parser.add_argument("export", help="a folder written by 'acre-train export' (a plain base folder or base:NAME "
+                                       "answers with untrained L1 projections)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="model dtype (default: the export's; use float32 on CPU)")
@@ -39,14 +40,14 @@ def make_engine(args: argparse.Namespace):
     """Load the export and build an ``AcreEngine`` with its settings and the command-line overrides."""
     import torch
 
-    from .load import load_export, settings_from_export
+    from .load import load_for_inference, settings_from_export
     from .engine import AcreEngine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tokenizer, data = load_export(args.export, device=device, dtype=dtype)
+    model, tokenizer, data = load_for_inference(args.export, device=device, dtype=dtype)
     if tokenizer is None:
-        raise SystemExit(f"{args.export} holds no tokenizer files; re-export with --tokenizer")
+        raise ValueError(f"{args.export} holds no tokenizer files; re-export with --tokenizer (or save one beside the base)")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
                                                 "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers")}
     cache_settings, refill = settings_from_export(data, overrides)
@@ -57,20 +58,28 @@ def make_engine(args: argparse.Namespace):
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--context", required=True, help="text file with the long context")
+    parser.add_argument("--context", required=True,
+                        help="text file with the long context (with --load-cache: checked against the cache)")
     parser.add_argument("--save-cache", default=None, help="write the built cache here (.safetensors)")
     parser.add_argument("--load-cache", default=None, help="reuse a cache saved with --save-cache (same export/settings)")
 
 
 @user_errors
 def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
+    text = Path(args.context).read_text(encoding="utf-8")  # a missing or empty context fails before the model loads
+    if not text.strip():
+        raise ValueError(f"--context {args.context} is empty")
     engine = make_engine(args)
     tic = time.perf_counter()
     if args.load_cache:
         cache = engine.load_cache(args.load_cache)
+        from .cache import CacheMismatchError, context_digest
+
+        if cache.context_digest != context_digest(engine.prompt.context_ids(text)):
+            raise CacheMismatchError(f"{args.load_cache} holds another context than {args.context} "
+                                     "(or one rendered with another prompt); rebuild it with --save-cache")
         print(f"loaded cache {args.load_cache} in {time.perf_counter() - tic:.2f}s")
     else:
-        text = Path(args.context).read_text(encoding="utf-8")
         cache = engine.build(text, progress=args.progress)
         print(f"built cache in {time.perf_counter() - tic:.2f}s")
         if args.save_cache:
@@ -105,16 +114,34 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         row = record.data
         if "question" not in row or not ("context" in row or "context_file" in row):
             raise ValueError(f"{record.where}: a row needs 'question' and 'context' or 'context_file'")
+        for key in ("question", "context", "context_file"):
+            if key in row and (not isinstance(row[key], str) or not row[key].strip()):
+                raise ValueError(f"{record.where}: '{key}' must be a non-empty string, got {row[key]!r}")
+        if "context_file" in row and not Path(row["context_file"]).is_file():
+            raise ValueError(f"{record.where}: context_file {row['context_file']!r} does not exist")
         yield record.line, row
 
 
 @user_errors
 def run_generate(args: argparse.Namespace) -> int:
+    rows = list(read_rows(args.input))  # a bad row fails before the model loads or any output is written
     engine = make_engine(args)
-    rows = list(read_rows(args.input))  # a bad row fails before any answer or output file
     caches: dict[str, Any] = {}  # context hash -> cache; rows sharing a context reuse its cache
     count = 0
-    with open(args.output, "w", encoding="utf-8") as out:
+    final = Path(args.output)
+    tmp = final.with_name(f".{final.name}.partial")
+    try:
+        count = _answer_rows(args, engine, rows, caches, tmp)
+        tmp.replace(final)  # an earlier output is replaced only by a complete new one
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {count} answers to {args.output}")
+    return 0
+
+
+def _answer_rows(args: argparse.Namespace, engine: Any, rows: list, caches: dict[str, Any], path: Path) -> int:
+    count = 0
+    with open(path, "w", encoding="utf-8") as out:
         for line_no, row in rows:
             context = row["context"] if "context" in row else Path(row["context_file"]).read_text(encoding="utf-8")
             key = hashlib.sha256(context.encode("utf-8")).hexdigest()
@@ -144,5 +171,4 @@ def run_generate(args: argparse.Namespace) -> int:
             out.flush()
             count += 1
             print(f"[{record['id']}] {answer.text!r}  ({answer.describe()})")
-    print(f"wrote {count} answers to {args.output}")
-    return 0
+    return count

@@ -56,6 +56,35 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
     return model, tokenizer, data
 
 
+def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                       log=print):
+    """``load_export``, or for a plain base model folder (e.g. ``acre-train base fetch``) the base with
+    untrained L1 projections ("stage 0": copies of the base), so chat/generate work on any base."""
+    from ..base.fetch import resolve_source
+
+    path = resolve_source(str(path))
+    try:
+        return load_export(path, device=device, dtype=dtype)
+    except NotAnAcreExport:
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            raise
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling import attach_acre
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), **({"dtype": dtype} if dtype is not None else {}))
+    model = attach_acre(model).to(device).eval()
+    log(f"note: {path} is a base model, not an ACRE export: answering with untrained L1 projections (stage 0); "
+        "train and export ACRE for a real bi-layer cache")
+    tokenizer = None
+    if any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from ..data.tokenizer import auto_tokenizer
+
+        tokenizer = auto_tokenizer(str(path))
+    return model, tokenizer, {"acre": {"inference": {}}}
+
+
 def settings_from_export(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> tuple[CacheSettings, RefillSettings]:
     """Inference settings: the export's stored defaults, then command-line ``overrides`` (None = keep)."""
     stored = dict((data.get("acre") or {}).get("inference") or {})
