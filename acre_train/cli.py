@@ -53,7 +53,8 @@ def require(module: str, extra: str) -> object:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise MissingExtra(f"this needs the '{module}' package: pip install 'acre-train[{extra}]'") from exc
+        package = module.split(".")[0]
+        raise MissingExtra(f"this needs the '{package}' package: pip install 'acre-train[{extra}]'") from exc
 
 
 def build_parser() -> argparse.ArgumentParser:

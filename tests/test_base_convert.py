@@ -263,3 +263,12 @@ def test_missing_gguf_extra_names_the_install(monkeypatch, tmp_path, capsys):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert main(["base", "convert", str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 2
     assert "pip install 'acre-train[base]'" in capsys.readouterr().err
+
+
+def test_eval_without_its_extra_names_the_install(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rouge_score", None)
+    monkeypatch.setitem(sys.modules, "rouge_score.rouge_scorer", None)
+    assert main(["eval", "--model", "nowhere", "--tasks", "squad"]) == 2
+    assert "pip install 'acre-train[eval]'" in capsys.readouterr().err

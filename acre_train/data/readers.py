@@ -88,7 +88,9 @@ def _open_text(path: Path) -> io.TextIOBase:
     if suffix.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     if suffix.endswith(".zst"):
-        import zstandard
+        from ..cli import require
+
+        zstandard = require("zstandard", "data")
 
         raw = open(path, "rb")
         # read_across_frames: files written by concatenating zstd frames (common for shards).

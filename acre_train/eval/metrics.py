@@ -94,7 +94,9 @@ def rouge_l(prediction: str, golds: Sequence[str] | str) -> float:
     """rouge-score ``rougeL`` F-measure (no stemming), max over golds; 0 for an empty prediction."""
     global _ROUGE
     if _ROUGE is None:
-        from rouge_score import rouge_scorer
+        from ..cli import require
+
+        rouge_scorer = require("rouge_score.rouge_scorer", "eval")
 
         _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     return max(_ROUGE.score(g, prediction)["rougeL"].fmeasure for g in _golds(golds))
