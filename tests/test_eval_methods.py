@@ -252,3 +252,29 @@ def test_bad_options_are_named():
         parse_method("cachefokus")
     with pytest.raises(ValueError, match="expected true/false"):
         parse_method("infoflow:reorder=maybe")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("truncated:budget=0", "budget must be a positive"), ("truncated:budget=-5", "budget must be a positive"),
+    ("truncated:ratio=1.5", "ratio must be in"), ("infoflow:ratio=0", "ratio must be in"),
+    ("infoflow:ratio=1.2", "ratio must be in"), ("cachefocus:n=0", "n and k_finish must be >= 1"),
+    ("cachefocus:allocation=random", "allocation must be"), ("acre:interval=-1", "interval must be >= 0"),
+])
+def test_impossible_options_are_refused_when_parsed(spec, message):
+    from acre_train.eval.methods import parse_method
+
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
+
+
+def test_eval_refuses_bad_rows_before_loading_any_model(tmp_path, capsys):
+    """A plain model folder with acre rows, or an impossible option: one-line errors, no model load."""
+    from acre_train.cli import main
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2"}')  # would not even load as a model
+    assert main(["eval", "--model", str(folder), "--tasks", "squad", "--methods", "full,acre"]) == 2
+    assert "rows ['acre'] need an ACRE model" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--tasks", "squad", "--methods", "truncated:budget=0"]) == 2
+    assert "budget must be a positive" in capsys.readouterr().err

@@ -72,6 +72,15 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if not Path(args.model).exists():
         print(f"acre-train eval: note: {args.model!r} is not a local folder; trying it as a hub id", file=sys.stderr)
+    acre_rows = [m.label() for m in methods if m.needs_acre]
+    if acre_rows:
+        from ..infer.load import NotAnAcreExport, check_export_dir
+
+        try:
+            check_export_dir(args.model)
+        except NotAnAcreExport as exc:
+            print(f"acre-train eval: rows {acre_rows} need an ACRE model: {exc}", file=sys.stderr)
+            return 2
     model, tokenizer = _load_model(args, dtype, device)
     try:
         examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed,

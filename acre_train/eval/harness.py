@@ -137,6 +137,10 @@ def evaluate(model, tokenizer, examples: Sequence[Example], methods: Sequence[Ev
     generation = GenerationConfig(config.max_new_tokens, stop_ids(model, tokenizer))
     model.eval()
     groups = group_by_context([prepare_example(tokenizer, ex, config.chunk_tokens) for ex in examples])
+    for method in methods:  # every row can answer every example, or nothing runs
+        for group in groups:
+            for prepared in group:
+                method.check_example(prepared)
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(examples) * len(methods), desc="eval", unit="answer", disable=not config.progress)
     for index, group in enumerate(groups):

@@ -56,7 +56,12 @@ def parse_method(spec: str) -> EvalMethod:
         if key not in fields:
             raise ValueError(f"method {name!r} has no option {key!r}; options: {', '.join(sorted(fields)) or 'none'}")
         kwargs[key] = _convert(raw, hints[key], f"method {name!r} option {key!r}")
-    return cls(**kwargs)
+    method = cls(**kwargs)
+    try:
+        method.check()
+    except ValueError as exc:
+        raise ValueError(f"method {spec!r}: {exc}") from None
+    return method
 
 
 def parse_methods(specs: str) -> list[EvalMethod]:

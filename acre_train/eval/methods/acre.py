@@ -32,11 +32,19 @@ class Acre(EvalMethod):
     """ACRE with query-guided refilling (0 = the export's stored default)."""
 
     name: ClassVar[str] = "acre"
+    needs_acre: ClassVar[bool] = True
     first_chunk: int = 0
     stride: int = 0
     interval: int = 0
     working_window: int = 0
     max_refill: int = -1  # -1: the export's default; 0 disables refilling (acre-l1)
+
+    def check(self) -> None:
+        for key in ("first_chunk", "stride", "interval", "working_window"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0 (0: the export's default), got {getattr(self, key)}")
+        if self.max_refill < -1:
+            raise ValueError(f"max_refill must be >= 0 (-1: the export's default), got {self.max_refill}")
 
     def settings(self, model) -> dict[str, int]:
         """The effective settings: this row's options over the export's over the paper's."""

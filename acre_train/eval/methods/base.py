@@ -72,6 +72,14 @@ class EvalMethod:
     """
 
     name: ClassVar[str] = ""
+    needs_acre: ClassVar[bool] = False  # answers only with an ACRE model (an 'acre-train export' folder)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for option values that cannot work (called when the row is parsed)."""
+
+    def check_example(self, example: PreparedExample) -> None:
+        """Raise ``ValueError`` if this row cannot answer ``example`` (called before any answer)."""
+        del example
 
     def prepare(self, model, tokenizer, example: PreparedExample) -> Any:
         del model, tokenizer, example

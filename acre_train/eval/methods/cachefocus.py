@@ -142,6 +142,12 @@ class CacheFocus(EvalMethod):
     k_finish: int = 5
     allocation: str = "align"
 
+    def check(self) -> None:
+        if self.n < 1 or self.k_finish < 1:
+            raise ValueError(f"n and k_finish must be >= 1, got n={self.n}, k_finish={self.k_finish}")
+        if self.allocation not in ("align", "sort"):
+            raise ValueError(f"allocation must be 'align' or 'sort', got {self.allocation!r}")
+
     def prepare(self, model, tokenizer, example):
         return cachefocus_prepare(engine.model_parts(model), example)
 

@@ -122,19 +122,37 @@ class Truncated(EvalMethod):
     """
 
     name = "truncated"
-    budget: int = 0
+    budget: int = -1  # -1: not given, use ratio
     ratio: float = 0.25
     side: str = "middle"
 
-    def answer(self, model, tokenizer, example, state, generation):
+    def check(self) -> None:
         if self.side not in {"middle", "end"}:
-            raise ValueError(f"truncated: side must be 'middle' or 'end', got {self.side!r}")
-        n = len(example)
-        budget = self.budget or int(round(self.ratio * n))
+            raise ValueError(f"side must be 'middle' or 'end', got {self.side!r}")
+        if self.budget == 0 or self.budget < -1:
+            raise ValueError(f"budget must be a positive number of KV entries, got {self.budget} "
+                             "(leave it out to keep a ratio of the prompt)")
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+
+    def _budget(self, example) -> int:
+        return self.budget if self.budget > 0 else int(round(self.ratio * len(example)))
+
+    def check_example(self, example) -> None:
         fixed = len(example.prefix_ids) + len(example.suffix_ids)
+        budget = self._budget(example)
         if budget < fixed:
             raise ValueError(f"truncated: budget {budget} is below the {fixed} instruction+question tokens "
                              f"of example {example.example.id!r}")
+        if self.budget > len(example):
+            raise ValueError(f"truncated: budget {self.budget} is larger than example {example.example.id!r}'s "
+                             f"whole prompt ({len(example)} tokens): nothing would be cut")
+
+    def answer(self, model, tokenizer, example, state, generation):
+        self.check_example(example)
+        n = len(example)
+        budget = self._budget(example)
+        fixed = len(example.prefix_ids) + len(example.suffix_ids)
         p, c = len(example.prefix_ids), example.context_len
         room = min(budget - fixed, c)
         if self.side == "middle":

@@ -220,6 +220,10 @@ class InfoFlow(EvalMethod):
     selector: str = "attention"
     blend_layer: int = 1
 
+    def check(self) -> None:
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+
     def _band(self, num_layers: int) -> list[int] | None:
         if self.band == "auto":
             return None
