@@ -168,11 +168,18 @@ def test_fast_paths_equal_reference(arch, kernel, backend):
     assert abs(float(out.loss) - total / count) < ATOL
 
 
+def test_flex_kernel_is_refused_on_cpu():
+    model = _acre_model("qwen2")
+    with pytest.raises(ValueError, match="kernel 'flex' is refused on CPU"):
+        _run(model, _plans(), kernel="flex")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention is CUDA-only here")
 def test_flex_kernel_equals_reference():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    model = _acre_model("qwen2")
+    model = _acre_model("qwen2").cuda()
     plans = _plans()
-    with torch.no_grad():  # flex has no CPU backward; on CUDA the same kernel trains
+    with torch.no_grad():
         try:
             out, _ = _run(model, plans, kernel="flex")
         except Exception as exc:  # pragma: no cover - depends on the platform's compiler

@@ -13,7 +13,8 @@ from .errors import DataError
 PAPER_INTERVALS = (8, 16, 32, 64, 128)
 
 # Settings that do not change the output, so they stay out of the cache fingerprint.
-NON_OUTPUT_FIELDS = frozenset({"output", "num_proc", "overwrite", "cache_dir", "strict"})
+# ``strict`` stays in: it decides which records survive, so a lenient run's cache must not answer a strict one.
+NON_OUTPUT_FIELDS = frozenset({"output", "num_proc", "overwrite", "cache_dir"})
 
 
 @dataclass

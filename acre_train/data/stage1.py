@@ -162,7 +162,8 @@ def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
         raise DataError("stage 1 needs an output directory")
     tok, l1_id, tok_facts = open_tokenizer(settings)
     inputs = describe_source(settings)
-    read_key = fingerprint(FORMAT_VERSION, inputs, settings.text_field, settings.meta_field, tok_facts["fingerprint"])
+    read_key = fingerprint(FORMAT_VERSION, inputs, settings.text_field, settings.meta_field, settings.strict,
+                           tok_facts["fingerprint"])  # strict decides which records survive
     key = fingerprint(FORMAT_VERSION, "stage1", settings.output_dict(), inputs, tok_facts["fingerprint"])
     if not settings.overwrite and (manifest := reusable(settings.output, key)):
         log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")

@@ -236,10 +236,20 @@ class AcreLayout:
 
 def default_kernel(device: torch.device | str) -> str:
     """``chunked`` everywhere: memory grows with the chunk only and SDPA's causal (flash) kernels
-    apply on every device. ``flex`` is opt-in: it is checked against the reference here (forward, CPU)
-    but its CUDA training path has not been measured by this project yet."""
+    apply on every device. ``flex`` is opt-in and CUDA-only (see :func:`check_kernel`)."""
     del device
     return "chunked"
+
+
+FLEX_ON_CPU = ("kernel 'flex' is refused on CPU: compiled flex attention on CPU returns NaN or wrong values at "
+               "some shapes and cannot compile a second sequence length in one process (a torch limitation, "
+               "not the mask's); use 'chunked' (the default) or 'dense'")
+
+
+def check_kernel(kind: str, device: torch.device | str) -> None:
+    """Refuse kernel/device pairs known to give wrong results."""
+    if kind == "flex" and torch.device(device).type == "cpu":
+        raise ValueError(FLEX_ON_CPU)
 
 
 def build_layout(
@@ -258,8 +268,10 @@ def build_layout(
     """The per-forward ACRE layout, with bounds checked against the model's position range."""
     check_positions(model.config, positions, memory_positions)
     memory = MemoryIndex.from_batch(is_l1, chunk_ids, memory_positions)
+    kernel = kernel or default_kernel(is_l1.device)
+    check_kernel(kernel, is_l1.device)
     attention = AttentionKernel(
-        kind=kernel or default_kernel(is_l1.device),
+        kind=kernel,
         backend=backend or _default_backend(model.config),
         chunk_ids=chunk_ids,
         positions=positions,

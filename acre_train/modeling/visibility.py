@@ -5,7 +5,7 @@ There is exactly one definition of who sees whom (``visible``). Every kernel bui
 * ``dense``:   one pass over ``n + m`` keys (the tokens, then the L1 tokens a second time at their
   memory positions) with a boolean/additive mask — eager or SDPA, fine on CPU for short inputs.
 * ``flex``:    the same key layout with a flex-attention ``BlockMask`` (block-sparse; opt-in, CUDA
-  for training since flex has no CPU backward).
+  only: on CPU it is refused, see ``adapter.check_kernel``).
 * ``chunked``: a loop over chunks, each attending to ``[L1 memory of earlier chunks ; chunk]`` —
   memory grows with the chunk, not with the sequence; the default and the inference path.
 

@@ -335,6 +335,13 @@ def _check_model(recipe: Recipe) -> list[str]:
             problems.append(f"model.source: {exc}")
     elif _looks_like_path(m.source) and not Path(m.source).expanduser().exists():
         problems.append(f"model.source {m.source!r} does not exist (a local directory or a hub name is expected)")
+    if m.kernel == "flex":
+        import torch
+
+        if not torch.cuda.is_available():
+            from ..modeling.adapter import FLEX_ON_CPU
+
+            problems.append(f"model.kernel: {FLEX_ON_CPU}")
     if recipe.stage == 2 and recipe.mode == "acre" and not m.init_from:
         problems.append("stage 2 starts from stage-1 L1 weights: set model.init_from to a stage-1 run or checkpoint directory")
     if m.init_from:
