@@ -264,3 +264,22 @@ def test_resume_refuses_a_changed_learning_rate_and_applies_a_longer_run(workdir
                       setup(use_deepspeed=False), log=messages.append)
     assert trainer.run().steps == 5
     assert any("train.max_steps: 4 -> 5 (applied)" in m for m in messages)
+
+
+def test_resume_unpickles_nothing(workdir, monkeypatch):
+    """A checkpoint holds no pickle: RNG as JSON + safetensors, optimizer/scheduler read weights-only,
+    so a crafted file in a checkpoint someone hands over cannot run code on resume."""
+    run(recipe(workdir, "nopickle", "checkpoint.stop_after_step=2"))
+    folder = workdir / "nopickle" / "checkpoint-2"
+    assert not list(folder.glob("rng_state_*.pt"))
+    json.loads((folder / "rng_state_0.json").read_text())
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))
+
+    torch.save({"state": {}, "param_groups": [], "x": Payload()}, folder / "optimizer.pt")
+    monkeypatch.chdir(workdir)
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        run(recipe(workdir, "nopickle", "checkpoint.resume_from_checkpoint=latest"))
+    assert not (workdir / "PWNED").exists()

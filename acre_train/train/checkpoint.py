@@ -11,7 +11,8 @@ Layout of a run directory (``<output_root>/<run_name>/``)::
         acre_checkpoint.json     written last: step, data position, base-model reference, engine, shapes
         recipe.yaml              the recipe that wrote it
         trainable.safetensors    the trainable weights (ACRE: exactly acre_state_dict(model)); rank 0
-        rng_state_<rank>.pt      python/numpy/torch(/cuda) RNG of every rank
+        rng_state_<rank>.json    python/numpy RNG of every rank (plain JSON: nothing is unpickled on resume)
+        rng_state_<rank>.safetensors   torch(/cuda) RNG of every rank
         optimizer.pt scheduler.pt          without DeepSpeed
         ds/latest ds/state/...             with DeepSpeed: save_checkpoint(exclude_frozen_parameters=True)
 
@@ -92,19 +93,35 @@ def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
 # ------------------------------------------------------------------------------------------ saving
 
 
-def capture_rng() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def save_rng(folder: Path, rank: int) -> None:
+    """Every RNG of this rank as JSON (python, numpy) + safetensors (torch, cuda): no pickle anywhere."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    plain = {"python": [version, list(internal), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    (folder / f"rng_state_{rank}.json").write_text(json.dumps(plain), encoding="utf-8")
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        tensors.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, str(folder / f"rng_state_{rank}.safetensors"))
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def restore_rng(folder: Path, rank: int) -> bool:
+    """Restore what :func:`save_rng` wrote; False when this rank has no saved state."""
+    plain_file = Path(folder) / f"rng_state_{rank}.json"
+    if not plain_file.is_file():
+        return False
+    plain = json.loads(plain_file.read_text(encoding="utf-8"))
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    tensors = load_file(str(Path(folder) / f"rng_state_{rank}.safetensors"))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    return True
 
 
 def save_checkpoint(
@@ -129,7 +146,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
     barrier()
-    torch.save(capture_rng(), tmp / f"rng_state_{rank}.pt")
+    save_rng(tmp, rank)
     if engine is not None:
         # Only the trainable parameters; ZeRO-1/2 optimizer shards are written by every rank.
         engine.save_checkpoint(str(tmp / DS_DIR), tag=DS_TAG, exclude_frozen_parameters=True)
@@ -180,9 +197,7 @@ def load_trainable(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def load_rng(checkpoint: Path, rank: int) -> None:
-    path = Path(checkpoint) / f"rng_state_{rank}.pt"
-    if path.is_file():  # a rank beyond the saving world size keeps its fresh seed
-        restore_rng(torch.load(path, weights_only=False))
+    restore_rng(checkpoint, rank)  # a rank beyond the saving world size keeps its fresh seed
 
 
 # Recipe keys a resume may change (prefix match): bookkeeping, step budget, how the same math is run.

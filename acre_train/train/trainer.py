@@ -227,8 +227,9 @@ class Trainer:
                 raise ckpt.CheckpointMismatch(f"DeepSpeed found no state in {path / ckpt.DS_DIR}")
         else:
             load_trainable_state(self.model, ckpt.load_trainable(path))
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.info.device, weights_only=False))
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+            # weights_only: tensors and plain containers; a crafted file cannot run code on resume.
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.info.device, weights_only=True))
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         ckpt.load_rng(path, self.info.rank)
         self.tokens_seen = int(meta["tokens_seen"])
         self.log(f"resumed from {path} at step {meta['step']}")
