@@ -32,18 +32,47 @@ PLAN_COLUMNS = ("input_ids", "is_l1", "chunk_ids", "positions", "memory_position
 SAMPLE_COLUMNS = ("num_raw_tokens", "intervals", "sample_index")
 
 
-def dataset_from_generator(generate, work: Path, features) -> "datasets.Dataset":  # noqa: F821
+def dataset_from_generator(generate, work: Path, features, problems: Any = None) -> "datasets.Dataset":  # noqa: F821
     """``Dataset.from_generator`` in a private cache dir, re-raising our own :class:`DataError`
-    (``datasets`` wraps generator errors in ``DatasetGenerationError``, hiding file and line)."""
+    (``datasets`` wraps generator errors in ``DatasetGenerationError``, hiding file and line).
+
+    No record at all is our own error too (``datasets`` would say 'Instruction "train" corresponds to
+    no data'), with what was skipped and why when ``problems`` (an ``InputProblems``) is given.
+    """
     import datasets
 
+    yielded = 0
+
+    def counted():
+        nonlocal yielded
+        for item in generate():
+            yielded += 1
+            yield item
+
     try:
-        return datasets.Dataset.from_generator(generate, cache_dir=str(work), features=features)
+        data = datasets.Dataset.from_generator(counted, cache_dir=str(work), features=features)
     except datasets.exceptions.DatasetGenerationError as exc:
         cause = exc.__cause__
         if isinstance(cause, (DataError, KeyboardInterrupt)):
             raise cause from None
         raise
+    except ValueError as exc:
+        if yielded:
+            raise
+        raise DataError(no_usable_record(problems)) from exc
+    if len(data) == 0:
+        raise DataError(no_usable_record(problems))
+    return data
+
+
+def no_usable_record(problems: Any = None) -> str:
+    """The message for inputs that gave nothing to prepare."""
+    message = "no usable document in the inputs (empty, binary, or every record invalid)"
+    if problems is not None and problems.total:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(problems.counts.items()))
+        first = problems.examples[0]
+        message += f": skipped {reasons}; first at {first['source']}:{first['line']}"
+    return message
 
 
 def fingerprint(*parts: Any) -> str:

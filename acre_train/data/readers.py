@@ -10,9 +10,9 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
-import io
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -83,50 +83,101 @@ def file_sha256(path: Path, block: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+class DamagedStream(Exception):
+    """A compressed stream that ends early or cannot be decompressed."""
+
+
+def _zstd_blocks(path: Path, block: int = 1 << 20) -> Iterator[bytes]:
+    """Decompressed bytes of a (multi-frame) .zst file; a frame cut short raises :class:`DamagedStream`
+    (zstandard's stream reader returns EOF quietly there, which made truncated shards vanish)."""
+    from ..cli import require
+
+    zstandard = require("zstandard", "data")
+    dctx = zstandard.ZstdDecompressor()
+    dobj, in_frame = dctx.decompressobj(), False
+    with open(path, "rb") as f:
+        while data := f.read(block):
+            while data:
+                in_frame = True
+                try:
+                    out = dobj.decompress(data)
+                except zstandard.ZstdError as exc:
+                    raise DamagedStream(f"corrupt zstd data ({exc})") from exc
+                if out:
+                    yield out
+                if dobj.eof:  # a frame ended; the rest starts the next one
+                    data, dobj, in_frame = dobj.unused_data, dctx.decompressobj(), False
+                else:
+                    data = b""
+    if in_frame:
+        raise DamagedStream("the last zstd frame is cut short (truncated file)")
+
+
+def _gzip_blocks(path: Path) -> Iterator[bytes]:
+    # Line by line: a big read() that hits the damage would take the lines before it down too.
+    with gzip.open(path, "rb") as f:
+        while True:
+            try:
+                data = f.readline()
+            except (OSError, EOFError, zlib.error) as exc:
+                raise DamagedStream(f"truncated or corrupt gzip stream ({exc})") from exc
+            if not data:
+                return
+            yield data
+
+
+def _plain_blocks(path: Path, block: int = 1 << 20) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(block):
+            yield data
+
+
+def _binary_lines(path: Path) -> Iterator[bytes]:
+    """Lines of a file as bytes (decompressing .gz/.zst); decoding is per line, so one bad byte
+    costs one line."""
     suffix = _suffix(path)
-    if suffix.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    if suffix.endswith(".zst"):
-        from ..cli import require
-
-        zstandard = require("zstandard", "data")
-
-        raw = open(path, "rb")
-        # read_across_frames: files written by concatenating zstd frames (common for shards).
-        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-        return io.TextIOWrapper(stream, encoding="utf-8")
-    return open(path, encoding="utf-8")
+    blocks = _zstd_blocks(path) if suffix.endswith(".zst") else _gzip_blocks(path) if suffix.endswith(".gz") \
+        else _plain_blocks(path)
+    pending = b""
+    for data in blocks:
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        yield from lines
+    if pending:
+        yield pending
 
 
 def _read_jsonl(path: Path, problems: InputProblems) -> Iterator[Record]:
     source = str(path)
-    with _open_text(path) as handle:
-        lineno = 0
-        while True:
-            try:
-                line = handle.readline()
-            except UnicodeDecodeError as exc:
-                # The rest of the stream cannot be trusted; report where it broke and stop this file.
-                problems.report(source, lineno + 1, "not valid UTF-8", str(exc))
-                return
-            except (OSError, EOFError) as exc:  # truncated gzip / zstd stream
-                problems.report(source, lineno + 1, "unreadable (truncated or corrupt file)", str(exc))
-                return
-            if not line:
-                return
-            lineno += 1
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing newline) are not records
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                problems.report(source, lineno, "malformed JSON", exc.msg + f" at column {exc.colno}")
-                continue
-            if not isinstance(data, dict):
-                problems.report(source, lineno, "not a JSON object", type(data).__name__)
-                continue
-            yield Record(data, source, lineno)
+    lineno = 0
+    lines = _binary_lines(path)
+    while True:
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except DamagedStream as exc:
+            # Nothing after this point can be read; say so (strict: stop) and count it in the manifest.
+            problems.report(source, lineno + 1, "truncated or corrupt compressed stream",
+                            f"{exc}; the records after line {lineno} are lost")
+            return
+        lineno += 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.report(source, lineno, "not valid UTF-8", str(exc))
+            continue
+        if not line.strip():
+            continue  # blank lines (e.g. a trailing newline) are not records
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.report(source, lineno, "malformed JSON", exc.msg + f" at column {exc.colno}")
+            continue
+        if not isinstance(data, dict):
+            problems.report(source, lineno, "not a JSON object", type(data).__name__)
+            continue
+        yield Record(data, source, lineno)
 
 
 def read_jsonl_strict(path: str | os.PathLike) -> Iterator[Record]:
@@ -153,7 +204,7 @@ def _read_json_lines_or_array(path: Path, problems: InputProblems) -> Iterator[R
         yield Record(item, str(path), index)
 
 
-def _read_parquet(path: Path, batch_size: int = 1024) -> Iterator[Record]:
+def _read_parquet(path: Path, problems: InputProblems, batch_size: int = 1024) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     try:
@@ -161,7 +212,15 @@ def _read_parquet(path: Path, batch_size: int = 1024) -> Iterator[Record]:
     except Exception as exc:  # pyarrow raises several types for a non-Parquet file
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
     row = 0
-    for batch in parquet.iter_batches(batch_size=batch_size):
+    batches = parquet.iter_batches(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:  # damaged pages: pyarrow's OSError/ArrowInvalid
+            problems.report(str(path), row + 1, "corrupt Parquet data", f"{exc}; the rows from here on are lost")
+            return
         for data in batch.to_pylist():
             row += 1
             yield Record(data, str(path), row)
@@ -172,7 +231,7 @@ def read_files(paths: Iterable[Path], problems: InputProblems) -> Iterator[Recor
     for path in paths:
         suffix = _suffix(path)
         if suffix in PARQUET_SUFFIXES:
-            yield from _read_parquet(path)
+            yield from _read_parquet(path, problems)
         elif suffix == ".json":
             yield from _read_json_lines_or_array(path, problems)
         else:

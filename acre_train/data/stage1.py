@@ -92,9 +92,8 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
 
     docs = dataset_from_generator(
         generate, work / "gen", features=datasets.Features(
-            {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}))
-    if len(docs) == 0:
-        raise DataError(f"the input holds no usable document ({problems.total} bad records; see warnings above)")
+            {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}),
+        problems=problems)
     docs = docs.map(
         _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"tokenizer": tokenizer},
         num_proc=settings.num_proc if settings.num_proc > 1 else None, remove_columns=["text"],

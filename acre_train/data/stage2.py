@@ -135,9 +135,7 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
             yield from islice(iter_examples(settings, tok, problems), settings.max_samples)
 
         examples = dataset_from_generator(generate, work / "gen", features=datasets.Features(
-            {k: datasets.Value("string") for k in ("messages", "context", "source", "meta")}))
-        if len(examples) == 0:
-            raise DataError(f"the input yields no conversation ({problems.total} bad records; see warnings above)")
+            {k: datasets.Value("string") for k in ("messages", "context", "source", "meta")}), problems=problems)
         rows = examples.map(
             _map_example, with_indices=True, fn_kwargs={"tokenizer": tok, "settings": settings, "l1_id": l1_id},
             remove_columns=examples.column_names, features=features(2), num_proc=nproc,
