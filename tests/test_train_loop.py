@@ -283,3 +283,38 @@ def test_resume_unpickles_nothing(workdir, monkeypatch):
     with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
         run(recipe(workdir, "nopickle", "checkpoint.resume_from_checkpoint=latest"))
     assert not (workdir / "PWNED").exists()
+
+
+def test_ctrl_c_saves_the_last_finished_step_and_exits_130(workdir, monkeypatch, capsys):
+    from acre_train.cli import main as cli_main
+
+    real_step = Trainer.train_step
+
+    def interrupt_in_step_3(self, batch, step, logger):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, batch, step, logger)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupt_in_step_3)
+    args = ["train", str(ROOT / "recipes/tiny_stage1.yaml"), "run_name=ctrlc", f"output_root={workdir}",
+            f"data.path={workdir / 'data1'}", *SMALL_DATA, "train.max_steps=4", "checkpoint.every_steps=null",
+            "logging.progress_bar=false"]
+    assert cli_main(args) == 130
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "interrupted: saved checkpoint-2" in captured.out + captured.err
+    assert (workdir / "ctrlc" / "latest").read_text().strip() == "checkpoint-2"
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(workdir):
+    run(recipe(workdir, "damaged", "checkpoint.stop_after_step=4", "checkpoint.every_steps=2",
+               "checkpoint.keep_last=null", "train.max_steps=6"))
+    weights = workdir / "damaged" / "checkpoint-4" / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short, as a full disk would leave it
+    messages: list[str] = []
+    trainer = Trainer(recipe(workdir, "damaged", "checkpoint.resume_from_checkpoint=latest", "train.max_steps=6",
+                             "checkpoint.every_steps=2", "checkpoint.keep_last=null"),
+                      setup(use_deepspeed=False), log=messages.append)
+    result = trainer.run()
+    assert any("checkpoint-4 is damaged" in m for m in messages)
+    assert any("resumed from" in m and m.endswith("at step 2") for m in messages)
+    assert result.steps == 6

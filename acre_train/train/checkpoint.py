@@ -81,6 +81,23 @@ def find_weights_checkpoint(path: Path) -> Path:
     return newest
 
 
+def damage(checkpoint: Path, with_optimizer: bool = True) -> str | None:
+    """What is wrong with a checkpoint's files (None: they all read back)."""
+    from safetensors import safe_open
+
+    try:
+        read_meta(checkpoint)
+        with safe_open(str(Path(checkpoint) / WEIGHTS), framework="pt") as f:
+            for key in f.keys():
+                f.get_tensor(key)
+        if with_optimizer:
+            for name in ("optimizer.pt", "scheduler.pt"):
+                torch.load(Path(checkpoint) / name, map_location="cpu", weights_only=True)
+    except Exception as exc:  # json, safetensors, zip/pickle errors of a damaged file
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
 def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
     """``None``, ``"latest"`` (None when the run has no checkpoint yet: a fresh start) or a path."""
     if not resume:

@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130  # the trainer said what was saved
     print(f"done: step {result.steps}, last checkpoint {result.last_checkpoint}")
     return 0
 

@@ -218,6 +218,8 @@ class Trainer:
         path = ckpt.resolve_resume(self.run_dir, self.recipe.checkpoint.resume_from_checkpoint)
         if path is None:
             return 0
+        if self.recipe.checkpoint.resume_from_checkpoint == "latest":
+            path = self.newest_readable(path)
         meta = ckpt.read_meta(path)
         ckpt.check_compatible(meta, self.identity(), path)
         self.check_recipe_changes(path)
@@ -234,6 +236,15 @@ class Trainer:
         self.tokens_seen = int(meta["tokens_seen"])
         self.log(f"resumed from {path} at step {meta['step']}")
         return int(meta["step"])
+
+    def newest_readable(self, newest: Path) -> Path:
+        """``latest``: the newest checkpoint whose files read back; a damaged one is skipped, saying so."""
+        for candidate in reversed(ckpt.list_checkpoints(newest.parent)):
+            problem = ckpt.damage(candidate, with_optimizer=self.engine is None)
+            if problem is None:
+                return candidate
+            self.log(f"warning: {candidate.name} is damaged ({problem}); trying the previous checkpoint")
+        raise ckpt.CheckpointMismatch(f"no readable checkpoint in {self.run_dir}: every one is damaged")
 
     def check_recipe_changes(self, checkpoint: Path) -> None:
         """Resume continues the saved optimizer and schedule: a changed learning rate, scheduler or other
@@ -284,6 +295,7 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir, steps=start)
         tokens_run, time_run = 0, 0.0
         cached_epoch, epoch_plan = -1, []
+        saved_step = start
         try:
             for step in range(start + 1, stop + 1):
                 epoch, index = divmod(step - 1, self.steps_per_epoch)
@@ -303,9 +315,21 @@ class Trainer:
                 if (every and step % every == 0) or step == stop:
                     began = time.perf_counter()
                     result.last_checkpoint = self.save(step)
+                    saved_step = step
                     result.checkpoint_seconds.append(time.perf_counter() - began)
                     metrics["checkpoint_seconds"] = result.checkpoint_seconds[-1]
                 logger.log_step(step, metrics)
+        except KeyboardInterrupt:
+            # The weights hold the last *finished* step (an interrupted step never reached the
+            # optimizer): keep it. Distributed ranks may be anywhere, so only one process saves.
+            if result.steps > saved_step and not self.info.distributed:
+                result.last_checkpoint = self.save(result.steps)
+                logger.message(f"interrupted: saved {result.last_checkpoint.name} (the last finished step); "
+                               "continue with checkpoint.resume_from_checkpoint=latest")
+            else:
+                logger.message(f"interrupted: nothing new saved (last checkpoint: step {saved_step}); "
+                               "continue with checkpoint.resume_from_checkpoint=latest")
+            raise
         finally:
             logger.close()
         result.tokens_per_s = tokens_run / time_run if time_run else 0.0
