@@ -154,3 +154,26 @@ def test_cli_stage2_debug_plain_markers(capsys):
                  "--stride", "32", "--debug", "1", "--color", "never"]) == 0
     out = capsys.readouterr().out
     assert "[L1]" in out and "{{" in out and "<|im_end|>}}" in out and "\033[" not in out
+
+
+def test_squad_fields_of_the_wrong_type_are_reported_with_their_path():
+    from acre_train.data.errors import DataError, InputProblems
+    from acre_train.data.squad import paragraphs_from_squad_json
+
+    ok = {"context": "Ada wrote it.", "qas": [{"id": "1", "question": "Who?", "answers": [{"text": "Ada"}]}]}
+    doc = {"data": [
+        {"title": "A", "paragraphs": [ok, {"context": "x", "qas": "not a list"},
+                                      {"context": "y", "qas": [{"question": "Q?", "answers": "Ada"}]},
+                                      {"context": "z", "qas": [["not", "an", "object"]]}]},
+        {"title": "B", "paragraphs": {"not": "a list"}},
+        "not an article",
+    ]}
+    problems = InputProblems()
+    paragraphs = paragraphs_from_squad_json(doc, "f.json", problems)
+    assert [p.context for p in paragraphs] == ["Ada wrote it.", "y", "z"] and len(paragraphs[0].qas) == 1
+    where = [e["source"] for e in problems.examples]
+    assert where == ["f.json data[0].paragraphs[1]", "f.json data[0].paragraphs[2].qas[0]",
+                     "f.json data[0].paragraphs[3].qas[0]", "f.json data[1]", "f.json data[2]"]
+    assert problems.counts["wrong type"] == 5
+    with pytest.raises(DataError, match=r"f.json data\[0\].paragraphs\[1\]: wrong type"):
+        paragraphs_from_squad_json(doc, "f.json", InputProblems(strict=True))

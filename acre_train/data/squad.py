@@ -39,17 +39,38 @@ class QAExample:
     meta: dict[str, Any]
 
 
+class _WrongType(Exception):
+    """A SQuAD field of the wrong JSON type (reported with its path in the file)."""
+
+
 def _answer_text(qa: dict[str, Any]) -> str | None:
     answers = qa.get("answers")
     if isinstance(answers, dict):  # hub layout: {"text": [...], "answer_start": [...]}
         texts = answers.get("text") or []
+        if not isinstance(texts, list):
+            raise _WrongType(f"'answers.text' is {type(texts).__name__}, expected a list")
+    elif answers is None or isinstance(answers, list):
+        if any(not isinstance(a, dict) for a in answers or []):
+            raise _WrongType("'answers' holds a non-object entry")
+        texts = [a.get("text") for a in answers or []]
     else:
-        texts = [a.get("text") for a in answers or [] if isinstance(a, dict)]
+        raise _WrongType(f"'answers' is {type(answers).__name__}, expected a list")
     texts = [t for t in texts if isinstance(t, str) and t.strip()]
     return texts[0] if texts else None
 
 
-def _qa_entry(qa: dict[str, Any], source: str, where: int | None, problems: InputProblems) -> dict | None:
+def _qa_entry(qa: Any, source: str, where: int | None, problems: InputProblems) -> dict | None:
+    if not isinstance(qa, dict):
+        problems.report(source, where, "wrong type", f"a question entry is {type(qa).__name__}, expected an object")
+        return None
+    try:
+        return _qa_fields(qa, source, where, problems)
+    except _WrongType as exc:
+        problems.report(source, where, "wrong type", str(exc))
+        return None
+
+
+def _qa_fields(qa: dict[str, Any], source: str, where: int | None, problems: InputProblems) -> dict | None:
     if qa.get("is_impossible"):
         return None  # unanswerable questions have no answer to train on; not an error
     question, answer = qa.get("question"), _answer_text(qa)
@@ -69,8 +90,16 @@ def paragraphs_from_squad_json(doc: dict[str, Any], source: str, problems: Input
         raise DataError(f"{source}: not SQuAD JSON (expected a top-level 'data' list)")
     out = []
     for a, article in enumerate(doc["data"]):
-        for p, para in enumerate(article.get("paragraphs", [])):
+        paragraphs = article.get("paragraphs", []) if isinstance(article, dict) else None
+        if not isinstance(paragraphs, list):
+            problems.report(f"{source} data[{a}]", None, "wrong type",
+                            "an article must be an object whose 'paragraphs' is a list")
+            continue
+        for p, para in enumerate(paragraphs):
             where = f"{source} data[{a}].paragraphs[{p}]"
+            if not isinstance(para, dict) or not isinstance(para.get("qas", []), list):
+                problems.report(where, None, "wrong type", "a paragraph must be an object whose 'qas' is a list")
+                continue
             context = para.get("context")
             if not isinstance(context, str) or not context.strip():
                 problems.report(where, None, "missing field 'context'")
