@@ -135,3 +135,30 @@ def test_resolved_recipe_roundtrips_through_yaml():
     recipe = load_recipe(TINY, ["train.learning_rate=0.25"])
     again = yaml.safe_load(recipe.to_yaml())
     assert again["train"]["learning_rate"] == 0.25 and again["run_name"] == "tiny-stage1"
+
+
+def test_validate_refuses_what_train_would(tmp_path, capsys):
+    """A bad world size, an unsupported local model, prepared data whose input changed since."""
+    assert cli.main(["validate", str(TINY), "--world-size", "0"]) == 2
+    assert "--world-size must be >= 1" in capsys.readouterr().err
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2"}')
+    assert cli.main(["validate", str(TINY), f"model.source={gpt2}", "model.tiny_config={}"]) == 2
+    assert "is a 'gpt2' model; ACRE supports" in capsys.readouterr().err
+
+    from acre_train.data import Stage1Settings, prepare_stage1
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": "word " * 400 + str(i)}) + "\n" for i in range(4)))
+    data = tmp_path / "data"
+    prepare = ["data.prepare.builtin=false", f"data.prepare.inputs=[{corpus}]", "data.prepare.token_budget=null"]
+    args = ["validate", str(TINY), f"data.path={data}", *prepare, f"output_root={tmp_path}"]
+    prepare_stage1(Stage1Settings(inputs=(str(corpus),), output=data, tokenizer="tiny", min_length=192,
+                                  max_length=384, token_budget=None, first_chunk=64, stride=32, intervals=(4, 8, 16)),
+                   log=lambda *_: None)
+    assert cli.main(args) == 0
+    assert "needs: any device (fp32); model: nothing" in capsys.readouterr().out
+    corpus.write_text(corpus.read_text() + json.dumps({"text": "an edit " * 300}) + "\n")
+    assert cli.main(args) == 2
+    assert "was prepared from other settings, inputs or tokenizer" in capsys.readouterr().err

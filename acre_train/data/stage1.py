@@ -19,11 +19,12 @@ import numpy as np
 from .builtin import BUILTIN_TEXT_SOURCE, builtin_text
 from .errors import DataError, InputProblems
 from .output import (
-    FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, interval_histogram, length_histogram, reusable, write_manifest,
+    FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, interval_histogram, length_histogram, read_manifest,
+    reusable, write_manifest,
 )
 from .readers import Record, describe_inputs, expand_inputs, read_files, read_hub_dataset
 from .rows import features, plan_row
-from .settings import Stage1Settings
+from .settings import Stage1Settings, Stage2Settings
 from .spans import Segment, iter_spans, span_length
 from .tokenizer import open_tokenizer
 from .tiny_tokenizer import cache_root
@@ -153,6 +154,22 @@ def _spans(settings: Stage1Settings, lengths) -> Iterator[list[Segment]]:
                       token_budget=settings.token_budget, pack=settings.pack, seed=settings.seed)
 
 
+def preparation_key(settings: Stage1Settings | Stage2Settings, tok_facts: dict[str, Any] | None = None) -> str:
+    """The fingerprint a prepared dataset must carry to be reused: settings, input bytes, tokenizer."""
+    if tok_facts is None:
+        tok_facts = open_tokenizer(settings)[2]
+    stage = "stage1" if isinstance(settings, Stage1Settings) else "stage2"
+    return fingerprint(FORMAT_VERSION, stage, settings.output_dict(), describe_source(settings), tok_facts["fingerprint"])
+
+
+def prepared_state(settings: Stage1Settings | Stage2Settings) -> str:
+    """``"missing"`` (nothing prepared at the output), ``"current"`` (reusable) or ``"stale"``
+    (made from other settings, inputs or tokenizer): what ``validate`` reports before training."""
+    if read_manifest(settings.output) is None:
+        return "missing"
+    return "current" if reusable(settings.output, preparation_key(settings)) else "stale"
+
+
 def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
     """Prepare the stage-1 dataset at ``settings.output``; reuse it if already made identically."""
     import datasets
@@ -163,7 +180,7 @@ def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
     inputs = describe_source(settings)
     read_key = fingerprint(FORMAT_VERSION, inputs, settings.text_field, settings.meta_field, settings.strict,
                            tok_facts["fingerprint"])  # strict decides which records survive
-    key = fingerprint(FORMAT_VERSION, "stage1", settings.output_dict(), inputs, tok_facts["fingerprint"])
+    key = preparation_key(settings, tok_facts)
     if not settings.overwrite and (manifest := reusable(settings.output, key)):
         log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")
         return settings.output

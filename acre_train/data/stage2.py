@@ -25,7 +25,7 @@ from .readers import expand_inputs, read_files, read_hub_dataset
 from .rows import features, plan_row
 from .settings import Stage2Settings
 from .squad import build_long_qa, load_squad_files, paragraphs_from_records, paragraphs_from_squad_json
-from .stage1 import build_manifest, describe_source, input_records
+from .stage1 import build_manifest, describe_source, input_records, preparation_key
 from .tokenizer import open_tokenizer
 
 
@@ -120,7 +120,7 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
         raise DataError("stage 2 needs an output directory")
     tok, l1_id, tok_facts = open_tokenizer(settings)
     inputs = describe_source(settings)
-    key = fingerprint(FORMAT_VERSION, "stage2", settings.output_dict(), inputs, tok_facts["fingerprint"])
+    key = preparation_key(settings, tok_facts)
     if not settings.overwrite and (manifest := reusable(settings.output, key)):
         log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")
         return settings.output

@@ -330,11 +330,13 @@ def _check_model(recipe: Recipe) -> list[str]:
         from ..base.fetch import resolve_source
 
         try:
-            resolve_source(m.source)
+            problems += _check_local_model_type(Path(resolve_source(m.source)))
         except FileNotFoundError as exc:
             problems.append(f"model.source: {exc}")
     elif _looks_like_path(m.source) and not Path(m.source).expanduser().exists():
         problems.append(f"model.source {m.source!r} does not exist (a local directory or a hub name is expected)")
+    elif (Path(m.source).expanduser() / "config.json").is_file():
+        problems += _check_local_model_type(Path(m.source).expanduser())
     if m.kernel == "flex":
         import torch
 
@@ -358,12 +360,36 @@ def _check_model(recipe: Recipe) -> list[str]:
     return problems
 
 
+def _check_local_model_type(folder: Path) -> list[str]:
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as exc:
+        return [f"model.source {folder}: unreadable config.json ({exc})"]
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return [f"model.source {folder} is a {model_type!r} model; ACRE supports {', '.join(SUPPORTED_MODEL_TYPES)}"]
+    return []
+
+
 def _check_data(recipe: Recipe) -> list[str]:
     from ..data.output import read_manifest
 
     d = recipe.data
     path = Path(d.path)
     if read_manifest(path) is not None:
+        if d.prepare is None:
+            return []
+        # The trainer re-checks a prepared dataset against its inputs; say so before any GPU hour.
+        from ..data.stage1 import prepared_state
+
+        try:
+            settings = prepare_settings(recipe)
+            stale = not settings.overwrite and prepared_state(settings) == "stale"
+        except Exception as exc:  # DataError (inputs, tokenizer) or a settings TypeError
+            return [f"data.prepare: {exc}"]
+        if stale:
+            return [f"data.path {d.path} was prepared from other settings, inputs or tokenizer than data.prepare "
+                    "names now (an input file changed?); set data.prepare.overwrite=true to prepare it again, "
+                    "or choose another data.path"]
         return []
     if d.prepare is None:
         state = "has no complete manifest.json (unfinished preparation?)" if path.exists() else "does not exist"
