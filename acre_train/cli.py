@@ -16,6 +16,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "base": ("acre_train.base.cli", "bring in a pretrained base: fetch a known one, convert a GGUF, list what is here"),
     "quickstart": ("acre_train.quickstart", "the whole path on built-in data in a minute: data, stage 1, stage 2, export, a refilled answer"),
     "preprocess": ("acre_train.data.cli", "prepare stage-1 text spans or stage-2 QA/chat SFT data with L1 tokens"),
+    "recipes": ("acre_train.recipes_cli", "list the recipes that ship with acre-train, or copy one to edit"),
     "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
     "validate": ("acre_train.train.validate", "check a training recipe (keys, batch split, data, DeepSpeed) without training"),
     "eval": ("acre_train.eval.cli", "compare full, truncated, CacheFocus, InfoFlow, ... on long-context QA tasks"),

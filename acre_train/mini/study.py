@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = REPO / "recipes" / "mini"
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "mini"
 STEPS = ("tokenizer", "streams", "base", "base2", "export-base", "stage1", "stage2", "vanilla-sft", "eval", "report")
 # Training steps: their run folder under runs/ and the stream (= prepared data folder) they train on.
 RUNS = {"base": "base", "base2": "base2", "stage1": "acre-stage1", "stage2": "acre-stage2", "vanilla-sft": "vanilla-sft"}

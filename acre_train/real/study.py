@@ -53,7 +53,7 @@ class RealConfig:
     stage2_conversations: int = 96
     stage2_lengths: tuple[int, ...] = (1024, 1536, 2048, 2560)
     base: str = BASE
-    recipes: str = "recipes/qwen2.5-0.5b"
+    recipes: str = str(Path(__file__).resolve().parents[1] / "recipes" / "qwen2.5-0.5b")
     overrides: tuple[str, ...] = ()  # extra key=value for both training runs (smoke: tiny sizes)
 
     @classmethod

@@ -201,11 +201,29 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -
     return raw
 
 
+PACKAGED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def packaged_recipe(name: str | os.PathLike) -> Path | None:
+    """A recipe shipped with acre-train, by its path under ``recipes/`` (``qwen2.5-0.5b/stage1.yaml``,
+    ``recipes/tiny_stage1.yaml``, or without ``.yaml``); None when there is no such recipe."""
+    rel = Path(name).as_posix().removeprefix("recipes/")
+    for candidate in (rel, rel + ".yaml"):
+        path = PACKAGED_RECIPES / candidate
+        if path.is_file():
+            return path
+    return None
+
+
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> Recipe:
-    """Read a YAML recipe, apply overrides, validate the schema (not the cross-field checks)."""
+    """Read a YAML recipe (a file, or a packaged recipe by name), apply overrides, validate the schema
+    (not the cross-field checks)."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError([f"recipe file {path} does not exist"])
+        packaged = packaged_recipe(path)
+        if packaged is None:
+            raise RecipeError([f"recipe file {path} does not exist (packaged recipes: acre-train recipes ls)"])
+        path = packaged
     raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     if not isinstance(raw, dict):
         raise RecipeError(["the recipe must be a mapping of sections"], str(path))
@@ -225,9 +243,14 @@ def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> Recipe:
 
 
 def _resolve_relative(recipe: Recipe, recipe_dir: Path) -> None:
+    """A relative DeepSpeed config: the cwd, the recipe's folder, or the packaged ``recipes/...``."""
     ds = recipe.train.deepspeed
-    if ds and not Path(ds).is_absolute() and not Path(ds).exists() and (recipe_dir / ds).exists():
-        recipe.train.deepspeed = str(recipe_dir / ds)
+    if not ds or Path(ds).is_absolute() or Path(ds).exists():
+        return
+    for candidate in (recipe_dir / ds, PACKAGED_RECIPES.parent / ds, PACKAGED_RECIPES / Path(ds).name):
+        if candidate.exists():
+            recipe.train.deepspeed = str(candidate)
+            return
 
 
 def _explain(err: dict[str, Any]) -> str:
