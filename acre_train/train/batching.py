@@ -31,6 +31,18 @@ def list_lengths(dataset, column: str) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
+def split_held_out(dataset, share: float, seed: int):
+    """``(training rows, held-out rows or None)``: a seeded ``share`` of the samples (at least one)
+    never trained on, for the held-out loss."""
+    if not share:
+        return dataset, None
+    order = np.random.default_rng(np.random.SeedSequence((seed, 0xE5A1))).permutation(len(dataset))
+    n_eval = max(1, int(round(share * len(dataset))))
+    if n_eval >= len(dataset):
+        raise ValueError(f"data.eval_split={share} leaves no training sample of {len(dataset)}")
+    return dataset.select(np.sort(order[n_eval:])), dataset.select(np.sort(order[:n_eval]))
+
+
 def epoch_batches(
     chunks: np.ndarray, global_batch: int, *, epoch: int, seed: int, shuffle: bool = True, group_by_chunks: bool = True
 ) -> list[np.ndarray]:

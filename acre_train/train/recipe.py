@@ -76,6 +76,7 @@ class DataSection(_Section):
     prepare: dict[str, Any] | None = None
     max_samples: int | None = None  # use only the first N rows (smoke runs)
     shuffle: bool = True
+    eval_split: float = Field(0.0, ge=0, lt=1)  # share of samples held out (seeded) for train.eval_every
 
 
 class LigerSection(_Section):
@@ -104,6 +105,7 @@ class TrainSection(_Section):
     warmup_steps: int | None = Field(None, ge=0)
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)  # overrides epochs when set
+    eval_every: int | None = Field(None, ge=1)  # held-out loss every N steps and at the end (needs data.eval_split)
     max_grad_norm: float | None = 1.0
     bf16: bool = False
     deepspeed: str | None = None  # a DeepSpeed JSON config (paths are relative to the recipe file, then cwd)
@@ -321,6 +323,8 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[str]:
     problems += _check_data(recipe)
     problems += _check_deepspeed(recipe, world_size)
     problems += _check_resume(recipe)
+    if recipe.train.eval_every and not recipe.data.eval_split:
+        problems.append("train.eval_every needs held-out samples: set data.eval_split (e.g. 0.05)")
     if recipe.train.warmup_steps is not None and recipe.train.warmup_ratio:
         problems.append("train.warmup_steps and train.warmup_ratio are both set; keep one")
     if recipe.mode == "vanilla" and recipe.model.train_o_proj:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .batching import Collator, epoch_batches, label_count, list_lengths, rank_micro_batches
+from .batching import PLAN_COLUMNS, Collator, epoch_batches, label_count, list_lengths, rank_micro_batches, split_held_out
 from .callbacks import StepLogger, peak_memory_mib
 from .cost import step_flops
 from .distributed import DistInfo, setup, teardown
@@ -95,8 +95,9 @@ class Trainer:
         dataset, self.manifest = load_prepared(r.data.path)
         if r.data.max_samples is not None:
             dataset = dataset.select(range(min(r.data.max_samples, len(dataset))))
-        self.dataset = dataset.with_format("numpy", columns=["input_ids", "is_l1", "chunk_ids", "positions",
-                                                               "memory_positions", "labels", "intervals", "sample_index"])
+        dataset, held_out = split_held_out(dataset, r.data.eval_split, r.seed)
+        self.eval_dataset = held_out.with_format("numpy", columns=PLAN_COLUMNS) if held_out is not None else None
+        self.dataset = dataset.with_format("numpy", columns=[*PLAN_COLUMNS, "intervals", "sample_index"])
         self.chunks = list_lengths(dataset, "intervals")
         self.lengths = list_lengths(dataset, "input_ids")
         self.raw_lengths = np.asarray(dataset["num_raw_tokens"], dtype=np.int64)
@@ -164,6 +165,7 @@ class Trainer:
             "trainable": {k: list(v.shape) for k, v in trainable_state(self.model).items()},
             "global_batch_size": self.global_batch, "data_fingerprint": self.manifest.get("fingerprint"),
             "max_samples": r.data.max_samples, "shuffle": r.data.shuffle, "group_by_chunks": r.train.group_by_chunks,
+            "eval_split": r.data.eval_split,
             "engine": f"deepspeed-zero{zero}" if r.train.deepspeed else "torch",
         }
         if r.train.deepspeed:
@@ -311,6 +313,8 @@ class Trainer:
                                step_seconds=elapsed, peak_memory_mib=peak_memory_mib(self.info.device))
                 result.losses.append(metrics["loss"])
                 result.steps = step
+                if r.train.eval_every and (step % r.train.eval_every == 0 or step == stop):
+                    metrics["eval_loss"] = self.held_out_loss()
                 every = r.checkpoint.every_steps
                 if (every and step % every == 0) or step == stop:
                     began = time.perf_counter()
@@ -365,6 +369,18 @@ class Trainer:
                    "rank_chunk_spread": self.rank_chunk_spread(batch)}
         metrics.update({f"l1_interval_mix/{k}": v / chunks for k, v in sorted(mix.items())})
         return metrics
+
+    @torch.no_grad()
+    def held_out_loss(self) -> float:
+        """Mean loss per label token over the held-out samples (nanoGPT's ``estimate_loss``); each
+        rank takes every world_size-th sample and the sums are all-reduced."""
+        loss_sum, count = 0.0, 0.0
+        for i in range(self.info.rank, len(self.eval_dataset), self.info.world_size):
+            batch = {k: v.to(self.info.device) for k, v in self.collate([self.eval_dataset[i]]).items()}
+            part, n = self.loss_module(**batch)
+            loss_sum, count = loss_sum + float(part), count + float(n)
+        loss_sum, count = self.info.all_reduce_sum([loss_sum, count])
+        return loss_sum / max(count, 1.0)
 
     def rank_chunk_spread(self, batch: np.ndarray) -> int:
         """Max - min over ranks of the chunks each runs this step (the kernel loops to a micro-batch's max)."""
