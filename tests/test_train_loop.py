@@ -67,7 +67,7 @@ def test_resume_continues_exactly(workdir):
 
 def test_prepared_data_made_from_other_inputs_is_refused(workdir):
     run(recipe(workdir, "fresh"))  # prepares data1 (or reuses it: same settings and inputs)
-    with pytest.raises(ValueError, match="made with other settings or inputs.*data.prepare.overwrite=true"):
+    with pytest.raises(ValueError, match="(made with|prepared from) other settings.*data.prepare.overwrite=true"):
         run(recipe(workdir, "stale", "data.prepare.token_budget=13000"))
 
 
