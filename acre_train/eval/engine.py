@@ -20,9 +20,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
-from . import rope
+from ..modeling.rope import Rope
 
 # Owner ids tag KV entries with the segment they came from (>= 0: document / chunk index).
 PREFIX_OWNER = -1
@@ -88,7 +87,7 @@ class ModelParts:
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Module
-    rotary_emb: nn.Module
+    rope: Rope  # the model's RoPE (acre_train.modeling.rope)
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -136,7 +135,7 @@ def model_parts(model: nn.Module) -> ModelParts:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return ModelParts(
-        inner.embed_tokens, inner.layers, inner.norm, model.lm_head, inner.rotary_emb,
+        inner.embed_tokens, inner.layers, inner.norm, model.lm_head, Rope.of(model),
         heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
     )
 
@@ -204,7 +203,7 @@ def query_states(layer: nn.Module, hidden_in: torch.Tensor, cos: torch.Tensor, s
     if hasattr(attn, "q_norm"):  # Qwen3-style per-head query norm, applied before RoPE
         q = attn.q_norm(q)
     q = q.transpose(1, 2)
-    return q * cos + rotate_half(q) * sin
+    return parts.rope.apply(q, cos, sin)
 
 
 @dataclass
@@ -263,7 +262,7 @@ def layer_pass(
     order = torch.argsort(positions.to(device), stable=True)
     ids, positions, owners = ids.to(device)[order], positions.to(device)[order], owners.to(device)[order]
     h = parts.embed(ids[None])
-    cos, sin = rope.cos_sin(parts.rotary_emb, positions, h.dtype)
+    cos, sin = parts.rope.cos_sin(positions, h.dtype)
     dropped: list[int] = []
     out_store: KVStore = []
     token_layers = 0

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..modeling.adapter import acre_forward
 from ..modeling.interleave import chunk_bounds, interleave
-from .rope import rotate
+from ..modeling.rope import Rope
 from .settings import CacheSettings
 
 CACHE_FORMAT = "acre-bilayer-cache/1"
@@ -140,7 +140,7 @@ class BiLayerCache:
         l1_keys = t["l1_keys"].to(device)
         return cls(
             settings=settings, fingerprint=meta["fingerprint"], l1_keys=l1_keys,
-            l1_keys_rot=rotate(model, l1_keys, torch.arange(l1_keys.shape[2])),
+            l1_keys_rot=Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])),
             l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
             span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
             num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
@@ -272,7 +272,7 @@ def build_cache(
             )
         keys = torch.stack([torch.cat(k, dim=1) for k in l1_k])
         l1_val = torch.stack([torch.cat(v, dim=1) for v in l1_v])
-        l1_rot = rotate(model, keys, torch.arange(keys.shape[2]))
+        l1_rot = Rope.of(model).rotate(keys, torch.arange(keys.shape[2]))
         raw_before += int(raw_pos.numel())
         if on_chunk is not None:
             on_chunk(t + 1, done)
@@ -291,7 +291,7 @@ def build_cache(
     span_ends = l1_slots - np.arange(len(l1_slots))
     return BiLayerCache(
         settings=settings, fingerprint=fingerprint_,
-        l1_keys=l1_keys, l1_keys_rot=rotate(model, l1_keys, torch.arange(l1_keys.shape[2])),
+        l1_keys=l1_keys, l1_keys_rot=Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])),
         l1_values=stack(l1_v, device), l2_keys=l2_keys, l2_values=l2_values,
         span_bounds=torch.as_tensor(np.concatenate([[0], span_ends]), dtype=torch.int64),
         tail_ids=ids[raw_done:].tolist(), carry=raw_done - int(span_ends[-1] if len(span_ends) else 0),

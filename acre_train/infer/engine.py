@@ -20,7 +20,7 @@ from ..modeling.interleave import interleave
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
 from ..data.prompt import PromptFormat
 from .refill import assemble, num_selected, score_entries, select_entries
-from .rope import rotate
+from ..modeling.rope import Rope
 from .settings import CacheSettings, RefillSettings
 
 
@@ -220,7 +220,7 @@ class AcreEngine:
         positions = torch.as_tensor(plan.positions) + offset
 
         def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-            new[layer] = (rotate(self.model, key[0], positions), value[0])
+            new[layer] = (Rope.of(self.model).rotate(key[0], positions), value[0])
 
         hidden = self._forward(plan, offset=offset, prefix=kv.prefix, capture=capture, want_hidden=True)
         kv.extend(new)

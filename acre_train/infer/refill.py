@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .cache import BiLayerCache
-from .rope import rotate
+from ..modeling.rope import Rope
 
 
 def score_entries(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
@@ -107,4 +107,4 @@ def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor) -> A
         slots = torch.as_tensor(l2_slots, device=device)
         keys[:, :, slots] = cache.l2_keys.index_select(2, index).to(device, keys.dtype)
         values[:, :, slots] = cache.l2_values.index_select(2, index).to(device, values.dtype)
-    return Assembled(keys=rotate(model, keys, torch.arange(total)), values=values, num_refilled=len(l2_index))
+    return Assembled(keys=Rope.of(model).rotate(keys, torch.arange(total)), values=values, num_refilled=len(l2_index))

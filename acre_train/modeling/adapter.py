@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interleave import IGNORE_INDEX
+from .rope import Rope
 from .visibility import AttentionKernel, MemoryIndex
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -196,7 +197,7 @@ class AcreAttentionMixin:
         query_rot, key_rot = self._apply_rope(query, key, cos, sin)
         if layout.kernel.capture is not None:
             layout.kernel.capture(self.layer_idx, query_rot, key, value)
-        memory_key, memory_value = layout.memory_kv(key, value, self._rotate_half)
+        memory_key, memory_value = layout.memory_kv(key, value)
         out = layout.kernel.attend(self, query_rot, key_rot, value, memory_key, memory_value, hidden_states.dtype)
         out = out.reshape(bsz, n, -1)
         out = _mixed_linear(self.o_proj, getattr(self, "acre_o_proj", None), out, rows)
@@ -216,19 +217,21 @@ def _mixed_linear(base: nn.Linear, l1: nn.Linear | None, x: torch.Tensor, l1_row
 class AcreLayout:
     """Everything a layer needs about an interleaved batch, computed once per forward."""
 
-    def __init__(self, kernel: AttentionKernel, l1_rows: torch.Tensor, memory_cos: torch.Tensor, memory_sin: torch.Tensor):
+    def __init__(self, kernel: AttentionKernel, l1_rows: torch.Tensor, memory_cos: torch.Tensor, memory_sin: torch.Tensor,
+                 rope: Rope):
         self.kernel = kernel
+        self.rope = rope
         self.l1_rows = l1_rows
         self.memory = kernel.memory
         self.memory_cos = memory_cos[:, None]  # [B, 1, m, D], broadcast over heads
         self.memory_sin = memory_sin[:, None]
 
-    def memory_kv(self, key: torch.Tensor, value: torch.Tensor, rotate_half) -> tuple[torch.Tensor, torch.Tensor]:
+    def memory_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """L1 tokens' keys rotated at memory positions ``j`` (from pre-RoPE keys) and their values."""
         index = self.memory.token_index[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[-1])
         mem_key = key.gather(2, index)
         mem_value = value.gather(2, index)
-        mem_key = mem_key * self.memory_cos.to(key.dtype) + rotate_half(mem_key) * self.memory_sin.to(key.dtype)
+        mem_key = self.rope.apply(mem_key, self.memory_cos.to(key.dtype), self.memory_sin.to(key.dtype))
         return mem_key, mem_value
 
 
@@ -282,7 +285,7 @@ def build_layout(
     )
     l1_rows = torch.nonzero(is_l1.reshape(-1), as_tuple=False).reshape(-1)
     mem_cos, mem_sin = model.model.rotary_emb(hidden_like, memory.positions)
-    return AcreLayout(attention, l1_rows, mem_cos, mem_sin)
+    return AcreLayout(attention, l1_rows, mem_cos, mem_sin, Rope.of(model))
 
 
 def _default_backend(config) -> str:

@@ -3,7 +3,7 @@
 1. ``prepare``: the instruction prefix is prefilled once; every document is prefilled alone after
    it (attending the prefix only) at positions ``P .. P+len-1``. Query-independent, reusable.
 2. Re-positioning: documents are laid out one after another (doc ``i`` starts at ``P + sum of
-   earlier lengths``) by un-rotating and re-rotating their cached keys (``rope.reposition``).
+   earlier lengths``) by un-rotating and re-rotating their cached keys (``Rope.reposition``).
 3. Layer-adaptive pruning (query pass 1): the question runs up the stack; after every ``n``-th layer
    (layers ``n-1, 2n-1, ...``) the question's attention mass per document — softmax over all
    entries, summed over the document's entries, mean over heads and question tokens — ranks the
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import engine, rope
+from .. import engine
 from ..prompt import PreparedExample
 from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners, prefix_pass,
                    segment_positions, store_cost, tensor)
@@ -82,7 +82,7 @@ def _layout(parts: engine.ModelParts, state: CacheFocusState, order: list[int]) 
         doc = state.docs[d]
         n = len(doc[0])
         new_pos = segment_positions(pos, n, parts.device)
-        moved = [engine.LayerKV(rope.reposition(l.keys, l.positions, new_pos, parts.rotary_emb), l.values, new_pos,
+        moved = [engine.LayerKV(parts.rope.reposition(l.keys, l.positions, new_pos), l.values, new_pos,
                                 l.owners) for l in doc]
         store = engine.cat_stores(store, moved)
         pos += n

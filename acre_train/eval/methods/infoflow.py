@@ -3,7 +3,7 @@
 1. ``prepare``: chunk-wise prefill. The instruction prefix is prefilled at positions ``0..P-1``;
    every document/chunk alone at *chunk-local* positions ``0..len-1`` (no prefix, no other chunk).
 2. Re-rotation: chunks are laid out after the prefix (original order, or reordered, see 4) and
-   their keys moved to global positions with ``rope.reposition``.
+   their keys moved to global positions with ``Rope.reposition``.
 3. Selection of context tokens to recompute, ``num_selected(ratio, N)`` of the ``N`` context tokens:
    - ``attention`` (InfoFlow): the question runs over the re-rotated cache up to the last layer of
      the band; at each band layer the softmax attention of every question token and head to every
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import engine, rope
+from .. import engine
 from ..prompt import PreparedExample
 from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners, prefix_pass,
                    segment_positions, store_cost, tensor)
@@ -79,7 +79,7 @@ def layout(parts: engine.ModelParts, state: ChunkState, order: list[int]) -> tup
     for d in order:
         n = len(state.chunks[d][0])
         new_pos = segment_positions(pos, n, parts.device)
-        moved = [engine.LayerKV(rope.reposition(l.keys, l.positions, new_pos, parts.rotary_emb), l.values, new_pos,
+        moved = [engine.LayerKV(parts.rope.reposition(l.keys, l.positions, new_pos), l.values, new_pos,
                                 l.owners) for l in state.chunks[d]]
         store = engine.cat_stores(store, moved)
         pos += n

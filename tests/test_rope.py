@@ -1,4 +1,5 @@
-"""RoPE helpers: un-rotate inverts rotate; delta rotation equals rotating at the new position."""
+"""The one RoPE module: equal to each architecture's own attention; un-rotate inverts rotate; delta
+rotation equals rotating at the new position."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import transformers
 
-from acre_train.eval import rope
+from acre_train.modeling.rope import Rope
+from acre_train.tiny import tiny_model
 
 
 def _rotary(**rope_parameters):
@@ -14,7 +16,7 @@ def _rotary(**rope_parameters):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     if rope_parameters:
         cfg.rope_parameters = {**cfg.rope_parameters, **rope_parameters}
-    return transformers.AutoModelForCausalLM.from_config(cfg).model.rotary_emb
+    return Rope.of(transformers.AutoModelForCausalLM.from_config(cfg))
 
 
 def _plain_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -31,12 +33,12 @@ def test_rotate_matches_model_and_textbook():
     k = torch.randn(1, 2, 50, 16, generator=g)
     pos = torch.randint(0, 3000, (50,), generator=g)
     # float32 path: exactly what the model's attention applies
-    cos, sin = rot(k, pos[None])
+    cos, sin = rot.rotary_emb(k, pos[None])
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     _, want = apply_rotary_pos_emb(k, k, cos, sin)
-    assert torch.equal(rope.rotate(k, pos, rot), want)
-    assert torch.allclose(rope.rotate(k.double(), pos, rot), _plain_rope(k.double(), pos, rot.inv_freq), atol=1e-12)
+    assert torch.equal(rot.rotate(k, pos), want)
+    assert torch.allclose(rot.rotate(k.double(), pos), _plain_rope(k.double(), pos, rot.rotary_emb.inv_freq), atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
@@ -45,15 +47,15 @@ def test_unrotate_returns_key(dtype, tol):
     g = torch.Generator().manual_seed(1)
     k = torch.randn(1, 2, 64, 16, generator=g).to(dtype)
     pos = torch.randint(0, 4000, (64,), generator=g)
-    assert torch.allclose(rope.unrotate(rope.rotate(k, pos, rot), pos, rot), k, atol=tol, rtol=0)
+    assert torch.allclose(rot.unrotate(rot.rotate(k, pos), pos), k, atol=tol, rtol=0)
 
 
 def test_unrotate_with_attention_scaling():
     rot = _rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)
-    assert rot.attention_scaling != 1.0  # the case the 1/s**2 factor exists for
+    assert rot.scale != 1.0  # the case the 1/s**2 factor exists for
     k = torch.randn(1, 2, 10, 16, dtype=torch.float64)
     pos = torch.arange(100, 110)
-    assert torch.allclose(rope.unrotate(rope.rotate(k, pos, rot), pos, rot), k, atol=1e-12)
+    assert torch.allclose(rot.unrotate(rot.rotate(k, pos), pos), k, atol=1e-12)
 
 
 def test_delta_rotation_equals_rotation_at_new_position():
@@ -62,20 +64,37 @@ def test_delta_rotation_equals_rotation_at_new_position():
     k = torch.randn(1, 2, 40, 16, generator=g, dtype=torch.float64)
     old = torch.randint(0, 5000, (40,), generator=g)
     new = torch.randint(0, 5000, (40,), generator=g)
-    moved = rope.delta_rotate(rope.rotate(k, old, rot), new - old, rot)
-    assert torch.allclose(moved, rope.rotate(k, new, rot), atol=1e-10)
+    moved = rot.delta_rotate(rot.rotate(k, old), new - old)
+    assert torch.allclose(moved, rot.rotate(k, new), atol=1e-10)
     # a scalar delta, in float32 at small positions (fp32 angle rounding grows with the position)
     k32 = k.float()
     old = torch.arange(0, 40)
-    assert torch.allclose(rope.delta_rotate(rope.rotate(k32, old, rot), 7, rot), rope.rotate(k32, old + 7, rot),
+    assert torch.allclose(rot.delta_rotate(rot.rotate(k32, old), 7), rot.rotate(k32, old + 7),
                           atol=1e-5)
     # reposition (un-rotate + rotate) is what methods use; it matches the model's own key in fp32
     old, new = torch.arange(0, 40), torch.arange(3000, 3040)
-    assert torch.allclose(rope.reposition(rope.rotate(k32, old, rot), old, new, rot), rope.rotate(k32, new, rot),
+    assert torch.allclose(rot.reposition(rot.rotate(k32, old), old, new), rot.rotate(k32, new),
                           atol=1e-5)
 
 
 def test_shape_errors():
     rot = _rotary()
     with pytest.raises(ValueError, match="positions"):
-        rope.rotate(torch.zeros(1, 2, 5, 16), torch.arange(4), rot)
+        rot.rotate(torch.zeros(1, 2, 5, 16), torch.arange(4))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_rope_of_a_model_equals_its_own_attention(arch):
+    """Keys rotated by Rope.of(model) are bit-identical to what the architecture's attention code
+    computes from the same pre-RoPE keys at the same positions (its own rotary_emb and apply fn)."""
+    import inspect
+
+    model = tiny_model(arch)
+    attn = model.model.layers[0].self_attn
+    apply_rotary_pos_emb = inspect.getmodule(type(attn)).apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 2, 30, model.config.head_dim, generator=g)
+    pos = torch.randint(0, 20000, (30,), generator=g)
+    cos, sin = model.model.rotary_emb(k, pos[None])
+    _, want = apply_rotary_pos_emb(k, k, cos, sin)
+    assert torch.equal(Rope.of(model).rotate(k, pos), want)
