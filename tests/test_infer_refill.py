@@ -326,3 +326,19 @@ def test_contexts_beyond_the_settings_are_clear_errors():
         ok.answer(cache, _ids(10, 21))
     with pytest.raises(ValueError, match="question is empty"):
         ok.answer(cache, [])
+
+
+def test_one_decode_loop_greedy_and_sampled():
+    from acre_train.infer.decode import decode
+
+    table = {0: torch.tensor([0.0, 2.0, 1.0]), 1: torch.tensor([3.0, 0.0, 0.0]), 2: torch.tensor([0.0, 0.0, 5.0])}
+    step = lambda token: table[token]  # noqa: E731
+    assert decode(table[2], step, max_new_tokens=5, stop_ids={0}) == [2, 2, 2, 2, 2]
+    assert decode(table[0], step, max_new_tokens=5, stop_ids={0}) == [1, 0]  # the stop token is kept, then stop
+    # top-p that keeps only the best token is greedy; sampling follows softmax(logits / T), by seed
+    assert decode(table[0], step, max_new_tokens=4, temperature=1.0, top_p=1e-6) == [1, 0, 1, 0]
+    two = torch.tensor([0.0, float(torch.log(torch.tensor(3.0)))])
+    draws = [decode(two, lambda t: two, max_new_tokens=1, temperature=1.0, seed=s)[0] for s in range(2000)]
+    assert abs(sum(draws) / len(draws) - 0.75) < 0.03
+    assert decode(two, lambda t: two, max_new_tokens=8, temperature=1.0, seed=5) == \
+        decode(two, lambda t: two, max_new_tokens=8, temperature=1.0, seed=5)

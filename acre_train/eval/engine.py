@@ -317,18 +317,15 @@ def greedy_decode(
     stop_ids: set[int],
 ) -> list[int]:
     """Greedy decoding over an explicit store; the first token comes from ``first_logits``."""
-    out: list[int] = []
-    logits = first_logits
+    from ..infer.decode import decode
+
     pos = next_position
-    for _ in range(max_new_tokens):
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        if tok in stop_ids or len(out) == max_new_tokens:
-            break
-        t = torch.tensor([tok], device=parts.device)
-        res = layer_pass(parts, t, torch.tensor([pos], device=parts.device),
+
+    def step(token: int) -> torch.Tensor:
+        nonlocal store, pos
+        res = layer_pass(parts, torch.tensor([token], device=parts.device), torch.tensor([pos], device=parts.device),
                          torch.tensor([QUERY_OWNER], device=parts.device), store)
-        store = res.store
-        logits = parts.logits(res.hidden[:, -1])
-        pos += 1
-    return out
+        store, pos = res.store, pos + 1
+        return parts.logits(res.hidden[:, -1])
+
+    return decode(first_logits, step, max_new_tokens=max_new_tokens, stop_ids=stop_ids)

@@ -19,6 +19,7 @@ from ..modeling.adapter import acre_forward
 from ..modeling.interleave import interleave
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
 from ..data.prompt import PromptFormat
+from .decode import decode
 from .refill import assemble, num_selected, score_entries, select_entries
 from ..modeling.rope import Rope
 from .settings import CacheSettings, RefillSettings
@@ -237,19 +238,17 @@ class AcreEngine:
         stop = set(settings.stop_token_ids)
         if settings.stop_at_eos:
             stop |= self.prompt.stop_ids(self.model.config)
-        generator = torch.Generator(device="cpu").manual_seed(settings.seed)
-        tokens: list[int] = []
-        for _ in range(settings.max_new_tokens):
-            token = _next_token(logits, settings, generator)
-            tokens.append(token)
-            if token in stop or len(tokens) == settings.max_new_tokens:
-                break
-            step = interleave([token], first_chunk=1, stride=1, intervals=interval, carry_in=carry)
-            carry = step.carry_out
+
+        def step(token: int) -> torch.Tensor:
+            nonlocal carry
+            plan = interleave([token], first_chunk=1, stride=1, intervals=interval, carry_in=carry)
+            carry = plan.carry_out
             with torch.no_grad():
-                hidden = self._run_and_extend(kv, step)
-                logits = self.model.lm_head(hidden[0, 0]).float()
-        return tokens
+                hidden = self._run_and_extend(kv, plan)
+                return self.model.lm_head(hidden[0, 0]).float()
+
+        return decode(logits, step, max_new_tokens=settings.max_new_tokens, stop_ids=stop,
+                      temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
 
     def _check_room(self, cache_length: int, query_length: int, max_new: int) -> None:
         limit = getattr(self.model.config, "max_position_embeddings", None)
@@ -260,14 +259,3 @@ class AcreEngine:
                 f"refilled cache ({cache_length}) + open chunk and question ({query_length}) + "
                 f"{max_new} new tokens need {needed} positions, the model has {limit}; lower W / max_refill, "
                 "max_new_tokens, or the stride")
-
-
-def _next_token(logits: torch.Tensor, settings: RefillSettings, generator: torch.Generator) -> int:
-    if settings.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.cpu() / settings.temperature, dim=-1)
-    if settings.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < settings.top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

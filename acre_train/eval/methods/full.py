@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ...infer.decode import decode
 from ..prompt import PreparedExample
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, decode_text
 
@@ -53,14 +54,11 @@ def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
     logits = out.logits[0, -1]
     ttft = timer.elapsed()
     first = logits.clone()
-    gen: list[int] = []
-    for _ in range(generation.max_new_tokens):
-        tok = int(torch.argmax(logits))
-        gen.append(tok)
-        if tok in generation.stop_ids or len(gen) == generation.max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True)
-        logits = out.logits[0, -1]
+
+    def step(token: int) -> torch.Tensor:
+        return model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1]
+
+    gen = decode(logits, step, max_new_tokens=generation.max_new_tokens, stop_ids=generation.stop_ids)
     return decode_text(tokenizer, gen, generation.stop_ids), gen, first, ttft
 
 
