@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 65536], help="context tokens")
+    p.add_argument("--model", default=None, help="a base folder or base:NAME instead of the tiny benchmark model "
+                                                 "(e.g. base:qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--questions", type=int, default=2, help="questions per built cache")
     p.add_argument("--repeats", type=int, default=3,
                    help="builds per (method, size); the fastest build and the median question are reported "
@@ -60,6 +62,14 @@ def _model(args):
     from acre_train.modeling import attach_acre
     from acre_train.tiny import tiny_model
 
+    if args.model:  # a real base (folder or base:NAME), fp32, with untrained L1 projections
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from acre_train.base.fetch import resolve_source
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_source(args.model), dtype=torch.float32)
+        return attach_acre(model).to(args.device).eval()
     longest = max(args.sizes) + args.question_tokens + args.new_tokens + 64
     model = tiny_model("qwen2", vocab_size=1024, eos_token_id=0, max_position_embeddings=longest,
                        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
@@ -75,27 +85,28 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def run_acre(args, size: int) -> dict:
     from acre_train.infer import AcreEngine, CacheSettings, RefillSettings
+    from acre_train.measure import PeakMemory
 
     model = _model(args)
     engine = AcreEngine(model, cache_settings=CacheSettings(args.first_chunk, args.stride, args.interval),
                         refill=RefillSettings(working_window=args.working_window, max_refill=args.max_refill,
                                               max_new_tokens=args.new_tokens, stop_at_eos=False))
     engine.answer(engine.build(_tokens(args.first_chunk + 100, 0)), _tokens(8, 1))  # warm-up
-    base = _start_peak(args.device)
     builds, latencies, answers = [], [], []
-    for _ in range(args.repeats):
-        cache = None  # free the previous cache before building the next one
-        tic = time.perf_counter()
-        cache = engine.build(_tokens(size, 2), progress=False)
-        builds.append(time.perf_counter() - tic)
-        engine.answer(cache, _tokens(args.question_tokens, 9))  # untimed: first-call costs (allocator, code paths)
-        for q in range(args.questions):
+    with PeakMemory(args.device) as memory:
+        for _ in range(args.repeats):
+            cache = None  # free the previous cache before building the next one
             tic = time.perf_counter()
-            answers.append(engine.answer(cache, _tokens(args.question_tokens, 10 + q)))
-            latencies.append(time.perf_counter() - tic)
+            cache = engine.build(_tokens(size, 2), progress=False)
+            builds.append(time.perf_counter() - tic)
+            engine.answer(cache, _tokens(args.question_tokens, 9))  # untimed: first-call costs (allocator, code paths)
+            for q in range(args.questions):
+                tic = time.perf_counter()
+                answers.append(engine.answer(cache, _tokens(args.question_tokens, 10 + q)))
+                latencies.append(time.perf_counter() - tic)
     sizes = cache.nbytes()
     a = answers[-1]
-    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": _peak(args.device) - base,
+    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
             "device_kv_mib": sizes["l1"] / 2**20, "cpu_kv_mib": sizes["l2"] / 2**20,
             "working_cache_mib": _kv_mib(model, a.cache_length), "num_l1": cache.num_l1, "k": a.k,
             "cache_length": a.cache_length, **{k: v for k, v in a.timings.items()}}
@@ -103,6 +114,8 @@ def run_acre(args, size: int) -> dict:
 
 def run_full(args, size: int) -> dict:
     import torch
+
+    from acre_train.measure import PeakMemory
 
     model = _model(args)
     device = args.device
@@ -117,21 +130,21 @@ def run_full(args, size: int) -> dict:
         warm = model(torch.tensor([_tokens(512, 0)], device=device), use_cache=True, logits_to_keep=1).past_key_values
         ask(warm, _tokens(8, 1))
         del warm
-        base = _start_peak(device)
         builds, latencies = [], []
-        for _ in range(args.repeats):
-            cache = None  # free the previous cache before building the next one
-            tic = time.perf_counter()
-            cache = model(torch.tensor([_tokens(size, 2)], device=device), use_cache=True, logits_to_keep=1).past_key_values
-            builds.append(time.perf_counter() - tic)
-            for q in range(-1, args.questions):  # q = -1: untimed first question, as for ACRE
+        with PeakMemory(device) as memory:
+            for _ in range(args.repeats):
+                cache = None  # free the previous cache before building the next one
                 tic = time.perf_counter()
-                ask(cache, _tokens(args.question_tokens, 10 + q))
-                if q >= 0:
-                    latencies.append(time.perf_counter() - tic)
-                cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
+                cache = model(torch.tensor([_tokens(size, 2)], device=device), use_cache=True, logits_to_keep=1).past_key_values
+                builds.append(time.perf_counter() - tic)
+                for q in range(-1, args.questions):  # q = -1: untimed first question, as for ACRE
+                    tic = time.perf_counter()
+                    ask(cache, _tokens(args.question_tokens, 10 + q))
+                    if q >= 0:
+                        latencies.append(time.perf_counter() - tic)
+                    cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
     kv = _kv_mib(model, size)
-    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": _peak(device) - base,
+    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
             "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size}
 
 
@@ -139,19 +152,6 @@ def _kv_mib(model, tokens: int) -> float:
     cfg = model.config
     head_dim = model.model.layers[0].self_attn.head_dim
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * tokens * 4 / 2**20
-
-
-def _start_peak(device: str) -> float:
-    from acre_train.infer.memory import peak_memory_mib, reset_peak
-
-    reset_peak(device)
-    return peak_memory_mib(device)
-
-
-def _peak(device: str) -> float:
-    from acre_train.infer.memory import peak_memory_mib
-
-    return peak_memory_mib(device)
 
 
 # ------------------------------------------------------------------------------------- parent side

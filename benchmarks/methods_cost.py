@@ -22,7 +22,7 @@ import time
 import torch
 import transformers
 
-from acre_train.eval.memory import PeakMemory
+from acre_train.measure import PeakMemory
 from acre_train.eval.methods import GenerationConfig, parse_methods
 from acre_train.eval.prompt import PreparedExample
 from acre_train.eval.tasks import Example
@@ -55,7 +55,7 @@ def measure(model, method, prep: PreparedExample, device: torch.device) -> tuple
         prepare_s = time.perf_counter() - t0
         res = method.answer(model, _Detok(), prep, state, GenerationConfig(max_new_tokens=1))
         del state
-    return prepare_s + res.cost.ttft_s, res.cost.ttft_s, mem.peak_bytes, res.cost.kv_bytes
+    return prepare_s + res.cost.ttft_s, res.cost.ttft_s, mem.added_bytes, res.cost.kv_bytes
 
 
 class _Detok:

@@ -27,13 +27,13 @@ from typing import Any, Sequence
 import torch
 
 from . import metrics
-from .memory import PeakMemory
-from .methods.base import EvalMethod, GenerationConfig, Timer
+from ..measure import PeakMemory, Timer
+from .methods.base import EvalMethod, GenerationConfig
 from .prompt import PreparedExample, prepare_example
 from .tasks import Example
 
 COST_KEYS = ("kv_attended", "tokens_prefilled", "token_layers_computed", "token_layers_recomputed", "kv_bytes",
-             "prepare_s", "answer_s", "ttft_s", "wall_s", "peak_memory_bytes")
+             "prepare_s", "answer_s", "ttft_s", "wall_s", "memory_added_bytes")
 
 
 @dataclass
@@ -95,8 +95,9 @@ def run_context(model, tokenizer, method: EvalMethod, group: Sequence[PreparedEx
             result = method.answer(model, tokenizer, prepared, state, generation)
             answer_s = timer.elapsed()
         cost = result.cost
-        peak = max(prep_mem.peak_bytes or 0, mem.peak_bytes or 0) if mem.peak_bytes is not None else None
-        cost.prepare_s, cost.wall_s, cost.peak_memory_bytes = prepare_s, prepare_s + answer_s, peak
+        # Over the prepare block's start: the prepared state stays held while each question is answered.
+        added = max(prep_mem.peak_bytes, mem.peak_bytes) - (prep_mem.peak_bytes - prep_mem.added_bytes)
+        cost.prepare_s, cost.wall_s, cost.memory_added_bytes = prepare_s, prepare_s + answer_s, added
         row = _row(prepared, method, result, recall_k)
         row.update({"answer_s": answer_s, "context_index": context_index, "questions_on_context": len(group)})
         rows.append(row)
@@ -180,7 +181,7 @@ def _group(rows: list[dict[str, Any]], labels: list[str]) -> dict[str, dict[str,
         out[label] = entry
     base = out.get("full")
     for entry in out.values():  # cost ratios to `full`, the reference row
-        for k in ("ttft_s", "peak_memory_bytes", "kv_attended", "token_layers_computed"):
+        for k in ("ttft_s", "memory_added_bytes", "kv_attended", "token_layers_computed"):
             b = base.get(k) if base else None
             entry[f"{k}_vs_full"] = entry[k] / b if b and entry.get(k) is not None else None
     return out
@@ -207,7 +208,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             ("rouge_l", "ROUGE-L", 1), (None, "recall@k", 1), ("evidence_recall", "evid. recall", 1),
             ("kv_attended", "KV attended", 0), ("tokens_prefilled", "prefilled", 0),
             ("token_layers_recomputed", "tok-layers recomp.", 0), ("prepare_s", "prefill s/context", 2), ("answer_s", "answer s/question", 2), ("ttft_s", "TTFT s", 3),
-            ("ttft_s_vs_full", "TTFT/full", 2), ("peak_memory_bytes", "peak MiB", 1)]
+            ("ttft_s_vs_full", "TTFT/full", 2), ("memory_added_bytes", "added MiB", 1)]
     out: list[str] = []
     sections = [("overall", summary["overall"])] + list(summary["by_task"].items())
     for title, group in sections:
@@ -220,7 +221,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
                 if key is None:
                     key = next((k for k in e if k.startswith("recall@")), "")
                 v = e.get(key)
-                if key == "peak_memory_bytes" and v is not None:
+                if key == "memory_added_bytes" and v is not None:
                     v = v / 2**20
                 cells.append(_fmt(v, digits))
             out.append(f"| {label} | {e['n']} | " + " | ".join(cells) + " |")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from ..cli import user_errors
-from .memory import peak_memory_mib
+from ..measure import PeakMemory
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,13 +147,14 @@ def _answer_rows(args: argparse.Namespace, engine: Any, rows: list, caches: dict
             key = hashlib.sha256(context.encode("utf-8")).hexdigest()
             reused = key in caches
             build_s = 0.0
-            if not reused:
-                caches.clear()  # keep one context's cache at a time: L2 of long contexts is large
-                tic = time.perf_counter()
-                caches[key] = engine.build(context, progress=args.progress)
-                build_s = time.perf_counter() - tic
-            cache = caches[key]
-            answer = engine.answer(cache, row["question"])
+            with PeakMemory(engine.device) as memory:  # this row's own peak: build (if any) + answer
+                if not reused:
+                    caches.clear()  # keep one context's cache at a time: L2 of long contexts is large
+                    tic = time.perf_counter()
+                    caches[key] = engine.build(context, progress=args.progress)
+                    build_s = time.perf_counter() - tic
+                cache = caches[key]
+                answer = engine.answer(cache, row["question"])
             decode = answer.timings["decode_s"]
             record = {
                 "id": row.get("id", line_no), "question": row["question"], "answer": answer.text,
@@ -165,7 +166,7 @@ def _answer_rows(args: argparse.Namespace, engine: Any, rows: list, caches: dict
                 "tokens_per_s": round(len(answer.token_ids) / decode, 2) if decode > 0 else None,
                 "l1_cache_mib": round(cache.nbytes()["l1"] / 2**20, 3),
                 "l2_cache_mib": round(cache.nbytes()["l2"] / 2**20, 3),
-                "peak_memory_mib": round(peak_memory_mib(engine.device), 1),
+                "peak_memory_mib": round(memory.peak_mib, 1),
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()

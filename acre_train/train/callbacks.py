@@ -11,14 +11,6 @@ from typing import Any
 import torch
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """Peak accelerator memory (CUDA) or peak resident set size of this process (CPU), in MiB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)
-
-
 class StepLogger:
     """Rank 0 writes tensorboard + ``metrics.jsonl`` + progress bar; every rank may log its samples."""
 

@@ -30,7 +30,8 @@ import torch
 
 from . import checkpoint as ckpt
 from .batching import PLAN_COLUMNS, Collator, epoch_batches, label_count, list_lengths, rank_micro_batches, split_held_out
-from .callbacks import StepLogger, peak_memory_mib
+from ..measure import PeakMemory
+from .callbacks import StepLogger
 from .cost import step_flops
 from .distributed import DistInfo, setup, teardown
 from .liger import apply_liger
@@ -304,13 +305,14 @@ class Trainer:
                 if epoch != cached_epoch:
                     cached_epoch, epoch_plan = epoch, self.batches(epoch)
                 began = time.perf_counter()
-                metrics = self.train_step(epoch_plan[index], step, logger)
+                with PeakMemory(self.info.device) as memory:
+                    metrics = self.train_step(epoch_plan[index], step, logger)
                 elapsed = time.perf_counter() - began
                 tokens_run += metrics["tokens"]
                 time_run += elapsed
                 metrics.update(epoch=epoch + index / self.steps_per_epoch, tokens_per_s=metrics["tokens"] / elapsed,
                                rank_gflops_per_s=1e3 * metrics["rank_tflop"] / elapsed,
-                               step_seconds=elapsed, peak_memory_mib=peak_memory_mib(self.info.device))
+                               step_seconds=elapsed, peak_memory_mib=memory.peak_mib)
                 result.losses.append(metrics["loss"])
                 result.steps = step
                 if r.train.eval_every and (step % r.train.eval_every == 0 or step == stop):

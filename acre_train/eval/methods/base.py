@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,7 +33,8 @@ class CostRecord:
         instruction included; the token itself not).
     kv_bytes: bytes of that KV cache (all layers).
     prepare_s / ttft_s / wall_s: query-independent preparation; answer() start to first-token
-        logits; everything including decoding. peak_memory_bytes: see ``memory.PeakMemory``.
+        logits; everything including decoding. memory_added_bytes: peak memory the method added over the
+        loaded model while preparing and answering (``acre_train.measure.PeakMemory.added_bytes``).
     """
 
     tokens_prefilled: int = 0
@@ -45,7 +45,7 @@ class CostRecord:
     prepare_s: float = 0.0
     ttft_s: float = 0.0
     wall_s: float = 0.0
-    peak_memory_bytes: int | None = None
+    memory_added_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,21 +121,6 @@ def finish_from_store(parts: engine.ModelParts, tokenizer, store: engine.KVStore
 def store_cost(store: engine.KVStore) -> tuple[float, int]:
     """(mean entries per layer, bytes) of a store."""
     return sum(len(layer) for layer in store) / len(store), engine.store_nbytes(store)
-
-
-class Timer:
-    """Wall-clock stopwatch (synchronises CUDA so GPU work is counted)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - self.t0
 
 
 def tensor(ids: list[int], device: torch.device) -> torch.Tensor:

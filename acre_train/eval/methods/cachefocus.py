@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import engine
+from ...measure import Timer
 from ..prompt import PreparedExample
-from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, finish_from_store, owners, prefix_pass,
+from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, finish_from_store, owners, prefix_pass,
                    segment_positions, store_cost, tensor)
 
 

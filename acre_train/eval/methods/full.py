@@ -12,8 +12,9 @@ import torch
 from transformers import DynamicCache
 
 from ...infer.decode import decode
+from ...measure import Timer
 from ..prompt import PreparedExample
-from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, Timer, decode_text
+from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
 
 
 def _doc_spans(example: PreparedExample) -> list[tuple[int, int]]:
