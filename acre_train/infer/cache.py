@@ -223,8 +223,6 @@ def build_cache(
     done, raw_done = finished_chunks(len(ids), settings)
     layers = model.config.num_hidden_layers
 
-    l1_k: list[list[torch.Tensor]] = [[] for _ in range(layers)]
-    l1_v: list[list[torch.Tensor]] = [[] for _ in range(layers)]
     kv_heads, head_dim = _kv_shape(model)
     dtype = next(model.parameters()).dtype
     # L2 goes straight into preallocated CPU tensors (no second copy when the build ends); pinned
@@ -233,8 +231,14 @@ def build_cache(
     l2_keys = torch.empty(layers, kv_heads, raw_done, head_dim, dtype=dtype, pin_memory=pin)
     l2_values = torch.empty(layers, kv_heads, raw_done, head_dim, dtype=dtype, pin_memory=pin)
     raw_before = 0  # raw tokens of the chunks already built = where this chunk's L2 goes
-    l1_rot: torch.Tensor | None = None  # [L, H_kv, m, D]
-    l1_val: torch.Tensor | None = None
+    # L1 of every finished chunk, preallocated: a chunk writes (and rotates) only its own entries,
+    # so building costs O(chunks), not O(chunks^2) re-concatenations and re-rotations.
+    num_l1 = int(plan.is_l1[: _finished_len(plan, done)].sum())
+    l1_keys = torch.empty(layers, kv_heads, num_l1, head_dim, dtype=dtype, device=device)  # pre-RoPE
+    l1_rot = torch.empty_like(l1_keys)  # rotated to memory positions 0..m-1
+    l1_val = torch.empty_like(l1_keys)
+    l1_before = 0  # L1 entries of the chunks already built
+    rope = Rope.of(model)
 
     chunks = range(done)
     if progress is None:
@@ -254,13 +258,14 @@ def build_cache(
             end = raw_before + raw_pos.numel()
             l2_keys[layer, :, raw_before:end].copy_(key[0].index_select(1, raw_pos), non_blocking=pin)
             l2_values[layer, :, raw_before:end].copy_(value[0].index_select(1, raw_pos), non_blocking=pin)
-            l1_k[layer].append(key[0].index_select(1, l1_pos))
-            l1_v[layer].append(value[0].index_select(1, l1_pos))
+            new = slice(l1_before, l1_before + l1_pos.numel())
+            l1_keys[layer, :, new] = key[0].index_select(1, l1_pos)
+            l1_val[layer, :, new] = value[0].index_select(1, l1_pos)
 
         prefix = None
-        if l1_rot is not None and l1_rot.shape[2] > 0:
-            rot, val = l1_rot, l1_val
-            prefix = lambda layer: (rot[layer][None], val[layer][None])  # noqa: E731
+        if l1_before > 0:
+            m = l1_before
+            prefix = lambda layer: (l1_rot[layer, :, :m][None], l1_val[layer, :, :m][None])  # noqa: E731
         with torch.no_grad():
             acre_forward(
                 model, input_ids=_t(plan.input_ids[sel], device)[None], is_l1=is_l1[None],
@@ -270,29 +275,22 @@ def build_cache(
                 kernel="chunked", backend=kernel_backend,
                 prefix=prefix, capture=capture,
             )
-        keys = torch.stack([torch.cat(k, dim=1) for k in l1_k])
-        l1_val = torch.stack([torch.cat(v, dim=1) for v in l1_v])
-        l1_rot = Rope.of(model).rotate(keys, torch.arange(keys.shape[2]))
+        new = slice(l1_before, l1_before + l1_pos.numel())
+        l1_rot[:, :, new] = rope.rotate(l1_keys[:, :, new], torch.arange(new.start, new.stop))
+        l1_before = new.stop
         raw_before += int(raw_pos.numel())
         if on_chunk is not None:
             on_chunk(t + 1, done)
     if pin:
         torch.cuda.synchronize(device)  # the non-blocking L2 copies have landed
 
-    def stack(parts: list[list[torch.Tensor]], where: torch.device | str) -> torch.Tensor:
-        if not parts[0]:
-            return torch.zeros(layers, kv_heads, 0, head_dim, dtype=dtype, device=where)
-        return torch.stack([torch.cat(p, dim=1) for p in parts])
-
-    l1_keys = stack(l1_k, device)
     finished = plan.raw_index[: _finished_len(plan, done)]
     l1_slots = np.nonzero(finished < 0)[0]
     # Raw tokens before each L1 token of the finished chunks = the end of its span on the L2 axis.
     span_ends = l1_slots - np.arange(len(l1_slots))
     return BiLayerCache(
         settings=settings, fingerprint=fingerprint_,
-        l1_keys=l1_keys, l1_keys_rot=Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])),
-        l1_values=stack(l1_v, device), l2_keys=l2_keys, l2_values=l2_values,
+        l1_keys=l1_keys, l1_keys_rot=l1_rot, l1_values=l1_val, l2_keys=l2_keys, l2_values=l2_values,
         span_bounds=torch.as_tensor(np.concatenate([[0], span_ends]), dtype=torch.int64),
         tail_ids=ids[raw_done:].tolist(), carry=raw_done - int(span_ends[-1] if len(span_ends) else 0),
         num_context_tokens=len(ids), context_digest=context_digest(ids),
