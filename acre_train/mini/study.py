@@ -368,15 +368,18 @@ class Study:
             # Baselines on the base model; `truncated` gets the budget ACRE attended at this length.
             acre_kv = sum(r["kv_attended"] for r in rows_here if r["method"] == "acre") / max(
                 1, sum(1 for r in rows_here if r["method"] == "acre"))
+            shortest = min(r["prompt_tokens"] for r in rows_here)  # truncation must cut something in every prompt
             specs = []  # (row label, method spec)
             for b in c.baselines:
-                if b == "truncated":
+                if b == "truncated" and acre_kv < shortest:
                     specs.append(("truncated (ACRE budget)", f"truncated:budget={int(round(acre_kv))}"))
+                elif b == "truncated":
+                    continue  # ACRE attended the whole prompt here: nothing to truncate
                 elif b == "full":
                     specs.append(("full", full_spec))
                 else:
                     specs.append((b, b))
-            if length > c.window and "truncated" in c.baselines:
+            if length > c.window and "truncated" in c.baselines and shortest > c.window:
                 specs.append(("truncated (base window)", f"truncated:budget={c.window}"))
             for label, spec in specs:
                 rep = evaluate(model("base"), tok, examples, [parse_method(spec)], config=cfg)
@@ -387,7 +390,7 @@ class Study:
                 r["context_length"] = length
             labels = list(dict.fromkeys(r["method"] for r in rows_here))
             results["lengths"][str(length)] = {"summary": summarize(rows_here, labels),
-                                               "refill": refill_summary(rows_here),
+                                               "refill": refill_summary(rows_here), "shortest_prompt": shortest,
                                                "seconds": round(time.time() - began, 1)}
             self.log(f"  eval @{length}: {len(rows_here)} answers in {time.time() - began:.0f}s")
             with open(out_dir / "predictions.jsonl", "a", encoding="utf-8") as f:
