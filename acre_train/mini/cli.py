@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "export-base,stage1,stage2,vanilla-sft,eval,report")
     parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist (old outputs are kept as "
                              "<name>.replaced-<time>; any later step named re-runs too)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="MODEL=FILE",
+                        help="real: kept L1 weights (an export's acre_adapter.safetensors) for stage1/stage2, used "
+                             "when the run's checkpoints are not on this machine, e.g. --adapter "
+                             "stage1=docs/real-base/adapters/stage1-lora-step30.safetensors")
+    parser.add_argument("--cells", default=None,
+                        help="real: evaluate only these cells, in this order: LENGTH/TASK[/MODEL],... "
+                             "(e.g. 4096/squad/base,4096/squad/stage0); the report keeps earlier rows of the others")
     parser.add_argument("--nice", type=int, default=0, help="run training subprocesses under nice -n N")
 
 
@@ -52,6 +60,15 @@ def run_real(args: argparse.Namespace) -> int:
 
     def go(args: argparse.Namespace) -> int:
         config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
+        for pair in args.adapter:
+            model, sep, path = pair.partition("=")
+            if not sep or model not in ("stage1", "stage2"):
+                raise ValueError(f"--adapter {pair!r}: expected stage1=FILE or stage2=FILE")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--adapter {pair!r}: no such file {path}")
+            config.adapters[model] = path
+        if args.cells:
+            config.cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
         root = args.root or ("checkpoints/real-smoke" if args.smoke else "checkpoints/real")
         steps = tuple(s.strip() for s in args.steps.split(",") if s.strip()) if args.steps else STEPS
         timings = RealStudy(root, args.squad, config, log=lambda m: print(m, flush=True)).run(steps)

@@ -14,7 +14,7 @@ BOOTSTRAP = 2000
 ROW_NAMES = {  # (model group, method) -> the row's name in the report
     ("base", "full"): "full", ("base", "truncated"): "truncated", ("base", "cachefocus"): "cachefocus",
     ("base", "infoflow"): "infoflow", ("stage0", "acre"): "acre, stage 0 (untrained L1)",
-("stage1", "acre"): "acre, stage 1",
+    ("stage0", "acre-l1"): "acre-l1, stage 0 (untrained L1)", ("stage1", "acre"): "acre, stage 1",
     ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
 }
 
@@ -33,8 +33,12 @@ def _rows(cell: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (cell / "predictions.jsonl").read_text(encoding="utf-8").splitlines() if line]
 
 
-def collect(study: "RealStudy") -> list[dict[str, Any]]:
-    """One record per (length, task, row) over the finished cells."""
+def collect(study: "RealStudy", kept: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One record per (length, task, row) over the finished cells.
+
+    ``kept``: an earlier report's records; those of a cell whose folder is gone (a session on another
+    machine) stay, marked ``kept``, so a report can grow cell by cell across machines.
+    """
     from .study import MODELS
 
     out = []
@@ -43,6 +47,9 @@ def collect(study: "RealStudy") -> list[dict[str, Any]]:
             for model in MODELS:
                 cell = study.cell_dir(length, task, model)
                 if not (cell / "summary.json").is_file():
+                    names = {ROW_NAMES.get((model, kind), f"{kind} ({model})") for kind in MODELS[model]}
+                    out += [dict(r, kept=True) for r in kept
+                            if r["length"] == length and r["task"] == task and r["row"] in names]
                     continue
                 rows = _rows(cell)
                 for method in dict.fromkeys(r["method"] for r in rows):
@@ -71,9 +78,12 @@ def markdown(records: list[dict[str, Any]]) -> str:
                       "|---|---:|---|---:|---:|---:|---:|"]
             for r in (r for r in records if r["length"] == length and r["task"] == task):
                 recall = "–" if r["refill_recall"] is None else f"{r['refill_recall']:.0f}"
-                lines.append(f"| {r['row']} (`{r['method']}`) | {r['n']} | {r['score']:.1f} ({r['ci_low']:.1f}–{r['ci_high']:.1f}) "
+                mark = " †" if r.get("kept") else ""
+                lines.append(f"| {r['row']} (`{r['method']}`){mark} | {r['n']} | {r['score']:.1f} ({r['ci_low']:.1f}–{r['ci_high']:.1f}) "
                              f"| {r['kv_pct']:.1f} | {r['prefill_s']:.1f} | {r['answer_s']:.2f} | {recall} |")
             lines.append("")
+    if any(r.get("kept") for r in records):
+        lines.append("† kept from an earlier run of the study (its per-question rows are not on this machine).\n")
     return "\n".join(lines)
 
 
@@ -100,7 +110,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_report(study: "RealStudy") -> Path:
-    records = collect(study)
+    previous = study.root / "report.json"
+    kept = json.loads(previous.read_text()) if previous.is_file() else []
+    records = collect(study, kept)
     out = study.root / "report.md"
     (study.root / "report.json").write_text(json.dumps(records, indent=2) + "\n")
     if records:

@@ -31,7 +31,7 @@ STEPS = ("streams", "stage1", "stage2", "export", "eval", "report")
 RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora"}
 # Model groups of the evaluation, in the order they run, and the rows each answers.
 MODELS = {
-    "stage0": ("acre",),
+    "stage0": ("acre", "acre-l1"),
     "base": ("full", "truncated", "cachefocus", "infoflow"),
     "stage1": ("acre",),
     "stage2": ("acre", "acre-l1"),
@@ -46,7 +46,9 @@ class RealConfig:
     tasks: tuple[str, ...] = ("squad", "niah_multikey")
     questions: int = 40
     questions_per_context: int = 4
-    max_new_tokens: int = 16  # answers are short spans or 7-digit numbers
+    # Answer budget per task. SQuAD answers are short spans; the instruct base restates a multikey
+    # question before the 7-digit number ("The special magic number for ... is 8..."), which 16 tokens cut.
+    max_new_tokens: dict[str, int] = field(default_factory=lambda: {"squad": 16, "niah_multikey": 48})
     cachefocus: str = "cachefocus"  # the paper's n=4 pruning interval (smoke: n=1 on a 2-layer model)
     inference: dict[str, int] = field(default_factory=lambda: {
         "first_chunk": 1024, "stride": 512, "interval": 32, "working_window": 32768, "max_refill": 192})
@@ -55,11 +57,17 @@ class RealConfig:
     base: str = BASE
     recipes: str = str(Path(__file__).resolve().parents[1] / "recipes" / "qwen2.5-0.5b")
     overrides: tuple[str, ...] = ()  # extra key=value for both training runs (smoke: tiny sizes)
+    # Kept L1 weights (``acre_adapter.safetensors`` of an adapter-only export) per model, used by the
+    # export step when the run's checkpoints are gone (a fresh machine): {"stage1": "path", ...}.
+    adapters: dict[str, str] = field(default_factory=dict)
+    # Cells to evaluate, in order, as "LENGTH/TASK[/MODEL]" (default: every cell); the report keeps the
+    # earlier summary of a cell whose folder is gone (see report.py).
+    cells: tuple[str, ...] = ()
 
     @classmethod
     def smoke(cls, base: str) -> "RealConfig":
         return cls(lengths=(300,), tasks=("squad", "niah_multikey"), questions=2, questions_per_context=2,
-                   max_new_tokens=3, cachefocus="cachefocus:n=1", inference={"first_chunk": 64, "stride": 32, "interval": 8,
+                   max_new_tokens={"squad": 3, "niah_multikey": 3}, cachefocus="cachefocus:n=1", inference={"first_chunk": 64, "stride": 32, "interval": 8,
                                                 "working_window": 4096, "max_refill": 32},
                    stage2_conversations=4, stage2_lengths=(200,), base=base,
                    overrides=(f"model.source={base}", f"data.prepare.tokenizer={base}", "train.max_steps=1",
@@ -184,6 +192,8 @@ class RealStudy:
 
                 acre = attach_acre(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
                 source = {"stage": 0}
+            elif model in self.config.adapters and not self._has_checkpoint(model):
+                acre, source = self._from_adapter(model, base)
             else:
                 loaded = load_checkpoint_model(str(self.run_dir(model)))
                 acre, source = loaded.model, {"checkpoint": str(loaded.checkpoint), "step": loaded.meta.get("step")}
@@ -192,11 +202,49 @@ class RealStudy:
             self.log(f"export: {model} -> {out}")
             del acre
 
+    def _has_checkpoint(self, model: str) -> bool:
+        from ..train.checkpoint import latest_checkpoint
+
+        run = self.run_dir(model)
+        return run.is_dir() and latest_checkpoint(run) is not None
+
+    def _from_adapter(self, model: str, base: str):
+        """The ACRE model of a kept L1 weight file, with the L1 form (LoRA rank...) its recipe names."""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from ..modeling import attach_acre
+        from ..modeling.adapter import load_acre_state_dict
+        from ..train.recipe import load_recipe
+
+        recipe = load_recipe(Path(self.config.recipes) / f"{model}.yaml", [])
+        lora = recipe.model.lora.model_dump() if recipe.model.l1 == "lora" else None
+        acre = attach_acre(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), lora=lora)
+        path = self.config.adapters[model]
+        load_acre_state_dict(acre, load_file(path))
+        return acre, {"adapter": str(path)}
+
+    def eval_cells(self) -> list[tuple[int, str, str]]:
+        """(length, task, model) in the order they run: ``config.cells`` if given, else every cell."""
+        every = [(length, task, model) for length in self.config.lengths for task in self.config.tasks for model in MODELS]
+        if not self.config.cells:
+            return every
+        chosen = []
+        for spec in self.config.cells:
+            parts = spec.split("/")
+            if len(parts) not in (2, 3) or not parts[0].isdigit():
+                raise ValueError(f"cell {spec!r}: expected LENGTH/TASK or LENGTH/TASK/MODEL (e.g. 4096/squad/base)")
+            match = [c for c in every if str(c[0]) == parts[0] and c[1] == parts[1] and (len(parts) == 2 or c[2] == parts[2])]
+            if not match:
+                raise ValueError(f"cell {spec!r} is not one of the study's cells (lengths {self.config.lengths}, "
+                                 f"tasks {self.config.tasks}, models {tuple(MODELS)})")
+            chosen += [c for c in match if c not in chosen]
+        return chosen
+
     def step_eval(self) -> None:
-        for length in self.config.lengths:
-            for task in self.config.tasks:
-                for model in MODELS:
-                    self._eval_cell(length, task, model)
+        for length, task, model in self.eval_cells():
+            self._eval_cell(length, task, model)
 
     def _examples(self, tokenizer, length: int, task: str):
         from ..eval.tasks import build_task
@@ -241,7 +289,7 @@ class RealStudy:
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tic = time.time()
-        evaluate(net, tok, examples, methods, config=EvalConfig(self.config.max_new_tokens, progress=True), out_dir=tmp)
+        evaluate(net, tok, examples, methods, config=EvalConfig(self.config.max_new_tokens[task], progress=True), out_dir=tmp)
         (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "length": length,
                                                    "task": task, "model": model, "seed": EVAL_SEED,
                                                    "config": asdict(self.config)}, indent=2) + "\n")
