@@ -177,3 +177,59 @@ def test_squad_fields_of_the_wrong_type_are_reported_with_their_path():
     assert problems.counts["wrong type"] == 5
     with pytest.raises(DataError, match=r"f.json data\[0\].paragraphs\[1\]: wrong type"):
         paragraphs_from_squad_json(doc, "f.json", InputProblems(strict=True))
+
+
+# ----------------------------------------------------------------------------- evidence positions
+
+def _raw(row, column):
+    raw = ~np.asarray(row["is_l1"], dtype=bool)
+    return np.asarray(row[column])[raw]
+
+
+def test_squad_rows_record_the_answer_as_evidence_and_the_question(squad):
+    ds, manifest = squad
+    tok = tiny_tokenizer()
+    assert manifest["counts"]["with_evidence"] == len(ds)  # every builtin answer occurs in its paragraph
+    for row in ds.select(range(20)):
+        meta = json.loads(row["meta"])
+        raw = _raw(row, "input_ids")
+        a, b = row["evidence"][:2]
+        assert meta["answer"] in tok.decode(raw[a:b]) and b - a <= len(tok(meta["answer"])["input_ids"]) + 2
+        qa, qb = row["question"]
+        asked = tok.decode(raw[qa:qb])
+        assert asked.startswith("\n\nAnswer the question") and meta["question"] in asked
+        assert asked.endswith("<|im_start|>assistant\n")  # the question ends where the answer starts
+
+
+def test_truncation_moves_evidence_with_its_tokens(tmp_path, squad):
+    full, _ = squad
+    limit = int(np.median(full["num_raw_tokens"]))
+    common = dict(builtin=True, context_tokens=1000, max_length=limit, questions_per_paragraph=2, **PLAN)
+    ds, manifest = load_prepared(prepare_stage2(Stage2Settings(output=tmp_path / "t", **common)))
+    tok = tiny_tokenizer()
+    kept = 0
+    for row in ds:
+        meta = json.loads(row["meta"])
+        if len(row["evidence"]):
+            a, b = row["evidence"][:2]
+            assert meta["answer"] in tok.decode(_raw(row, "input_ids")[a:b])
+            kept += 1
+    assert 0 < manifest["counts"]["with_evidence"] == kept <= len(ds)
+
+
+def test_messages_evidence_is_located_and_bad_evidence_reported(tmp_path):
+    context = "alpha beta gamma. The code is 4711. delta epsilon."
+    good = {"messages": [{"role": "user", "content": context + " What is the code?"},
+                         {"role": "assistant", "content": "4711"}],
+            "evidence": [[0, context.index("4711"), context.index("4711") + 4]]}
+    bad = {**good, "evidence": [[0, 5, 900]]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    ds, manifest = load_prepared(prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "o", **PLAN)))
+    tok = tiny_tokenizer()
+    assert len(ds) == 1 and manifest["counts"]["with_evidence"] == 1
+    a, b = ds[0]["evidence"]
+    assert tok.decode(_raw(ds[0], "input_ids")[a:b]).strip() == "4711"
+    assert [e["line"] for e in manifest["skipped"]["examples"]] == [2]
+    with pytest.raises(DataError, match=r"chat.jsonl:2.*outside message 0"):
+        prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "s", strict=True, **PLAN))

@@ -116,3 +116,22 @@ def test_a_shared_context_is_prepared_once_and_answers_as_if_alone():
             alone = run_one(model, _IdsTokenizer(), parse_method(spec), prepared, generation, recall_k=1)
             assert row["prediction"] == alone["prediction"], spec
             assert row["questions_on_context"] == 3 and row["prepare_s"] == shared[0]["prepare_s"]
+
+
+def test_refill_recall_and_rank_of_the_evidence_span():
+    from types import SimpleNamespace
+
+    from acre_train.eval.methods.acre import refill_recall
+
+    # Four documents of 8 tokens after a 6-token prefix: spans (prompt coordinates) of 8 tokens each;
+    # the gold document (index 2) is tokens 22..30, i.e. span 2 (22..30) of the cache below.
+    example = _example([8, 8, 8, 8])
+    example.gold_docs = [2]
+    example.example.gold_docs = [2]
+    cache = SimpleNamespace(span_bounds=torch.tensor([6, 14, 22, 30, 38]), num_context_tokens=38, tail_ids=[])
+    scores = torch.tensor([0.4, 0.3, 0.2, 0.1])  # the evidence span ranks third
+    got = refill_recall(None, example, cache, selected=[0, 1], scores=scores)
+    assert got["refill_recall"] == 0.0 and got["refill_rank"] == 3
+    got = refill_recall(None, example, cache, selected=[2], scores=torch.tensor([0.1, 0.2, 0.6, 0.1]))
+    assert got["refill_recall"] == 1.0 and got["refill_rank"] == 1
+    assert refill_recall(None, example, cache, selected=[0, 1, 2, 3], scores=None)["refill_rank"] is None

@@ -46,7 +46,7 @@ def test_a_step_moves_only_lora_and_l1_embedding_weights():
     assert all(".lora_A." in n or ".lora_B." in n or n.endswith("acre_embed_tokens.weight") for n in names)
     opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.0)  # decay would move dead weights too
     for _ in range(2):  # the first step moves only lora_B (lora_A's gradient is zero while B is zero)
-        loss_sum, count = LossModule(model)(**_batch())
+        loss_sum, count, _ = LossModule(model)(**_batch())
         (loss_sum / count).backward()
         opt.step()
         opt.zero_grad()
@@ -126,7 +126,7 @@ def test_step_flop_estimate_agrees_with_torch_flop_counter():
                                    intermediate_size=256, num_attention_heads=4, num_key_value_heads=2), lora=LORA)
     batch = _batch()
     with FlopCounterMode(display=False) as counter:
-        loss_sum, count = LossModule(model)(**batch)
+        loss_sum, count, _ = LossModule(model)(**batch)
         loss_sum.backward()
     measured = counter.get_total_flops()
     estimate = step_flops(model, [batch])

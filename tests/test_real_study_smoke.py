@@ -31,8 +31,12 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     manifest = json.loads((root / "streams" / "manifest.json").read_text())
     assert not set(manifest["train_articles"]) & set(manifest["heldout_articles"])
     report = (root / "report.md").read_text()
-    for row in ("full", "truncated", "acre, stage 0", "acre, stage 1", "acre, stage 1+2", "acre-l1, stage 1+2"):
+    for row in ("full", "truncated", "acre, stage 0", "acre-l1, stage 0", "acre, stage 1", "acre, stage 1+2",
+                "acre-l1, stage 1+2", "acre, stage 1+2 refill-aware"):
         assert row in report
+    assert manifest["with_evidence"] == manifest["stage2_conversations"]  # every training question knows its evidence
+    metrics = [json.loads(x) for x in (root / "runs" / "qwen2.5-0.5b-stage2-refill-lora" / "metrics.jsonl").read_text().splitlines()]
+    assert any("refill_loss" in m for m in metrics)
     records = json.loads((root / "report.json").read_text())
     assert {r["task"] for r in records} == {"squad", "niah_multikey"}
     assert all(r["n"] == 2 for r in records)

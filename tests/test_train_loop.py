@@ -318,3 +318,28 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(workdir):
     assert any("checkpoint-4 is damaged" in m for m in messages)
     assert any("resumed from" in m and m.endswith("at step 2") for m in messages)
     assert result.steps == 6
+
+
+def test_refill_loss_in_the_trainer_weight_zero_is_plain_stage2(workdir):
+    """Stage 2 from an adapter-only export of stage 1; the refill loss logs and trains; weight 0 is plain."""
+    from acre_train.export import export_model
+    from acre_train.export.checkpoint import load_checkpoint_model
+
+    _, stage1 = run(recipe(workdir, "r1", "train.max_steps=2"))
+    loaded = load_checkpoint_model(str(workdir / "r1"))
+    base = workdir / "r1" / "base_model"
+    export = export_model(loaded.model, workdir / "r1-export", adapter_only=True, base_model=str(base))
+    common = [f"model.init_from={export}", f"model.source={base}", "model.tiny_config={}", "train.max_steps=2"]
+    results = {}
+    for name, weight in (("plain", None), ("zero", 0.0), ("aware", 1.0)):
+        extra = [] if weight is None else [f"train.refill_loss.weight={weight}"]
+        trainer, result = run(recipe(workdir, f"r2-{name}", *common, *extra, stage=2))
+        metrics = [json.loads(x) for x in (workdir / f"r2-{name}" / "metrics.jsonl").read_text().splitlines()]
+        results[name] = (result.losses, load_file(str(result.last_checkpoint / "trainable.safetensors")), metrics)
+    assert results["plain"][0] == results["zero"][0]
+    assert all(torch.equal(results["plain"][1][k], results["zero"][1][k]) for k in results["plain"][1])
+    aware = results["aware"][2]
+    assert all(m["refill_samples"] > 0 and m["refill_loss"] > 0 for m in aware if "refill_loss" in m)
+    assert sum("refill_loss" in m for m in aware) == 2
+    assert results["aware"][0][0] == results["plain"][0][0]  # the first step's answer loss is the same forward
+    assert any(not torch.equal(results["aware"][1][k], results["plain"][1][k]) for k in results["plain"][1])

@@ -30,6 +30,8 @@ class Rendered:
     labels: np.ndarray
     context_tokens: tuple[int, int]  # [start, end) token range that middle truncation may cut
     text: str
+    evidence_tokens: tuple[tuple[int, int], ...] = ()  # [start, end) token ranges holding the evidence
+    question_tokens: tuple[int, int] = (0, 0)  # after the context, before the first answer (what refill scores)
 
     @property
     def num_answer_tokens(self) -> int:
@@ -80,11 +82,14 @@ def render_conversation(
     tokenizer: Any,
     messages: Sequence[Message],
     context: tuple[int, int, int] | None = None,
+    evidence: Sequence[tuple[int, int, int]] = (),
 ) -> Rendered:
     """Render ``messages`` with the chat template; label exactly the assistant answers.
 
     ``context``: ``(message_index, char_start, char_end)`` inside that message's content, the part
     middle truncation may cut; default: the whole content of the longest user message.
+    ``evidence``: ``(message_index, char_start, char_end)`` ranges located as token ranges (a token
+    belongs to one when its characters overlap it).
     """
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError("conversation has no assistant turn (nothing to train on)")
@@ -109,7 +114,15 @@ def render_conversation(
         labels[inside] = ids[inside]
     in_ctx = np.flatnonzero((starts >= ctx_chars[0]) & (ends <= ctx_chars[1]) & (ends > starts))
     ctx_tokens = (int(in_ctx[0]), int(in_ctx[-1]) + 1) if in_ctx.size else (0, 0)
-    return Rendered(ids, labels, ctx_tokens, full)
+    spans = []
+    for index, a, b in evidence:
+        at = content_char_start(tokenizer, messages, index, full)
+        hit = np.flatnonzero((starts < at + b) & (ends > at + a))
+        if hit.size:
+            spans.append((int(hit[0]), int(hit[-1]) + 1))
+    answers_after = np.flatnonzero((labels != IGNORE_INDEX) & (np.arange(len(ids)) >= ctx_tokens[1]))
+    question = (ctx_tokens[1], int(answers_after[0]) if answers_after.size else ctx_tokens[1])
+    return Rendered(ids, labels, ctx_tokens, full, tuple(spans), question)
 
 
 def tokenize_at(tokenizer: Any, text: str, cuts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,6 +160,8 @@ def truncate_middle(rendered: Rendered, max_length: int) -> Rendered | None:
     cut = slice(start + keep_head, start + keep_head + excess)
     keep = np.ones(len(rendered.input_ids), dtype=bool)
     keep[cut] = False
-    return Rendered(
-        rendered.input_ids[keep], rendered.labels[keep], (start, end - excess), rendered.text
-    )
+    before = np.concatenate([[0], np.cumsum(keep)])  # kept tokens before each old index
+    moved = lambda a, b: (int(before[a]), int(before[b]))  # noqa: E731
+    evidence = tuple(moved(a, b) for a, b in rendered.evidence_tokens if before[b] > before[a])
+    return Rendered(rendered.input_ids[keep], rendered.labels[keep], (start, end - excess), rendered.text,
+                    evidence, moved(*rendered.question_tokens))

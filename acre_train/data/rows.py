@@ -25,6 +25,10 @@ def features(stage: int):
     if stage == 2:
         spec["num_answer_tokens"] = Value("int64")
         spec["status"] = Value("string")  # ok | truncated | dropped:<reason>; removed before saving
+        # Raw-token coordinates: evidence token ranges flattened [a0, b0, a1, b1, ...] (empty: none
+        # recorded) and the question's [start, end) (the tokens after the context, before the answer).
+        spec["evidence"] = ints
+        spec["question"] = ints
     return Features(spec)
 
 

@@ -37,6 +37,9 @@ class QAExample:
     messages: list[dict[str, str]]
     context: tuple[int, int, int]  # (message index, char start, char end) of the context
     meta: dict[str, Any]
+    # (message index, char start, char end) of the answer inside the gold paragraph: the evidence a
+    # refill must bring back (empty if the answer text does not occur verbatim in the paragraph)
+    evidence: tuple[tuple[int, int, int], ...] = ()
 
 
 class _WrongType(Exception):
@@ -168,9 +171,12 @@ def build_long_qa(
             depth = int(rng.integers(0, len(distractors) + 1))
             chosen = [int(i) for i in distractors[:depth]] + [gold] + [int(i) for i in distractors[depth:]]
             context = PARAGRAPH_SEPARATOR.join(paragraphs[i].context for i in chosen)
+            gold_at = sum(len(paragraphs[i].context) + len(PARAGRAPH_SEPARATOR) for i in chosen[:depth])
+            found = para.context.find(qa["answer"])
             yield QAExample(
                 messages=qa_messages(context, qa["question"], qa["answer"]),
                 context=(0, 0, len(context)),
+                evidence=((0, gold_at + found, gold_at + found + len(qa["answer"])),) if found >= 0 else (),
                 meta={"id": qa["id"], "title": para.title, "gold_paragraph": gold, "gold_depth": depth,
                       "num_paragraphs": len(chosen), "answer": qa["answer"], "question": qa["question"]},
             )

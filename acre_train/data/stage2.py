@@ -50,24 +50,53 @@ def iter_examples(settings: Stage2Settings, tokenizer: Any, problems: InputProbl
         lengths = [len(x) for x in tokenizer([p.context for p in paragraphs], add_special_tokens=False)["input_ids"]]
         for ex in build_long_qa(paragraphs, lengths, context_tokens=settings.context_tokens,
                                 questions_per_paragraph=settings.questions_per_paragraph, seed=settings.seed):
-            messages = ex.messages
+            messages, context, evidence = ex.messages, ex.context, [list(e) for e in ex.evidence]
             if settings.system_prompt:
                 messages = [{"role": "system", "content": settings.system_prompt}, *messages]
                 context = (ex.context[0] + 1, *ex.context[1:])
-            else:
-                context = ex.context
+                evidence = [[m + 1, a, b] for m, a, b in evidence]
             yield {"messages": json.dumps(messages), "context": json.dumps(context),
-                   "source": f"squad:{ex.meta['id']}", "meta": json.dumps(ex.meta)}
+                   "source": f"squad:{ex.meta['id']}", "meta": json.dumps(ex.meta), "evidence": json.dumps(evidence)}
         return
     for record in input_records(settings, problems):
         try:
             messages = to_messages(record.data, settings.format, settings.system_prompt)
+            evidence = evidence_spans(record.data.get("evidence"), messages, shift=len(messages) - _turns(record.data))
         except DataError as exc:
             problems.report(record.source, record.line, str(exc))
             continue
-        meta = {k: v for k, v in record.data.items() if k not in ("messages", "conversations", "instruction", "input", "output")}
+        meta = {k: v for k, v in record.data.items()
+                if k not in ("messages", "conversations", "instruction", "input", "output", "evidence")}
         yield {"messages": json.dumps(messages), "context": "null", "source": record.where,
-               "meta": json.dumps(meta, default=str)}
+               "meta": json.dumps(meta, default=str), "evidence": json.dumps(evidence)}
+
+
+def _turns(data: dict) -> int:
+    """Messages of a record before a system prompt is added (evidence indices count these)."""
+    turns = data.get("messages") or data.get("conversations")
+    return len(turns) if isinstance(turns, list) else 0
+
+
+def evidence_spans(value: Any, messages: list[dict[str, str]], shift: int = 0) -> list[list[int]]:
+    """Validate a record's optional ``evidence``: ``[[message_index, char_start, char_end], ...]``,
+    character ranges inside that message's content (where the answer's support lies). ``shift``:
+    messages added in front (a system prompt)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise DataError(f"'evidence' must be a list of [message_index, char_start, char_end], got {type(value).__name__}")
+    out = []
+    for item in value:
+        if (not isinstance(item, list) or len(item) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)):
+            raise DataError(f"'evidence' entry {item!r} is not [message_index, char_start, char_end] (integers)")
+        index, start, end = item[0] + shift, item[1], item[2]
+        if not 0 <= index < len(messages):
+            raise DataError(f"'evidence' entry {item!r}: message {item[0]} does not exist")
+        if not 0 <= start < end <= len(messages[index]["content"]):
+            raise DataError(f"'evidence' entry {item!r}: characters {start}..{end} are outside message {item[0]}'s "
+                            f"content ({len(messages[index]['content'])} characters)")
+        out.append([index, start, end])
+    return out
 
 
 def stage2_row(example: dict[str, str], sample_index: int, tokenizer: Any, settings: Stage2Settings,
@@ -76,7 +105,8 @@ def stage2_row(example: dict[str, str], sample_index: int, tokenizer: Any, setti
     context = json.loads(example["context"])
     try:
         rendered = render_conversation(tokenizer, json.loads(example["messages"]),
-                                       tuple(context) if context else None)
+                                       tuple(context) if context else None,
+                                       evidence=[tuple(e) for e in json.loads(example.get("evidence") or "[]")])
     except DataError as exc:
         if settings.strict:
             raise DataError(f"{example['source']}: {exc}") from exc
@@ -96,7 +126,9 @@ def stage2_row(example: dict[str, str], sample_index: int, tokenizer: Any, setti
     row = plan_row(rendered.input_ids, rendered.labels, settings, sample_index, l1_id)
     meta = json.loads(example["meta"])
     meta["source"] = example["source"]
-    row.update(meta=json.dumps(meta), num_answer_tokens=rendered.num_answer_tokens, status=status)
+    row.update(meta=json.dumps(meta), num_answer_tokens=rendered.num_answer_tokens, status=status,
+               evidence=np.asarray([i for span in rendered.evidence_tokens for i in span], dtype=np.int32),
+               question=np.asarray(rendered.question_tokens, dtype=np.int32))
     return row
 
 
@@ -105,7 +137,8 @@ def _dropped(sample_index: int, status: str) -> dict[str, Any]:
     empty = np.zeros(0, dtype=np.int32)
     return {"input_ids": empty, "is_l1": np.zeros(0, dtype=bool), "chunk_ids": empty, "positions": empty, "memory_positions": empty,
             "labels": empty, "raw_index": empty, "num_raw_tokens": 0, "intervals": empty,
-            "sample_index": sample_index, "meta": "{}", "num_answer_tokens": 0, "status": status}
+            "sample_index": sample_index, "meta": "{}", "num_answer_tokens": 0, "status": status,
+            "evidence": empty, "question": empty}
 
 
 def _map_example(example: dict, index: int, tokenizer: Any, settings: Stage2Settings, l1_id: int) -> dict:
@@ -135,7 +168,7 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
             yield from islice(iter_examples(settings, tok, problems), settings.max_samples)
 
         examples = dataset_from_generator(generate, work / "gen", features=datasets.Features(
-            {k: datasets.Value("string") for k in ("messages", "context", "source", "meta")}), problems=problems)
+            {k: datasets.Value("string") for k in ("messages", "context", "source", "meta", "evidence")}), problems=problems)
         rows = examples.map(
             _map_example, with_indices=True, fn_kwargs={"tokenizer": tok, "settings": settings, "l1_id": l1_id},
             remove_columns=examples.column_names, features=features(2), num_proc=nproc,
@@ -150,7 +183,8 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
         kept = kept.remove_columns("status")
         kept.save_to_disk(str(out))
         extra = {"examples": len(examples), "truncated": statuses.get("truncated", 0),
-                 "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"]))}
+                 "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"])),
+                 "with_evidence": int(sum(1 for e in kept["evidence"] if len(e)))}
         manifest = build_manifest(2, settings, kept, inputs, tok_facts, l1_id, problems, key, extra)
         manifest["dropped_by_reason"] = dropped
         write_manifest(out, manifest)

@@ -63,6 +63,33 @@ def example_context(example: Example) -> str:
     return "".join(document_text(i, d) for i, d in enumerate(example.documents))
 
 
+def evidence_char_ranges(example: Example) -> list[tuple[int, int]]:
+    """Where the answer's support lies in :func:`example_context`'s text: inside every gold span (context
+    tasks) or gold document (document tasks) that holds an answer, the first occurrence of each answer
+    it holds -- a SQuAD answer in its paragraph, a needle's value. Empty when nothing is marked gold.
+
+    >>> evidence_char_ranges(Example(id="x", question="q?", answers=["42"], context="a b 42 c", gold_spans=[[2, 8]]))
+    [(4, 6)]
+    """
+    if example.documents is not None:
+        gold, spans, at = set(example.gold_docs or []), [], 0
+        for i, doc in enumerate(example.documents):
+            text = document_text(i, doc)
+            if i in gold:
+                spans.append((at, at + len(text)))
+            at += len(text)
+    else:
+        spans = [tuple(s) for s in example.gold_spans or []]
+    context = example_context(example)
+    out = set()
+    for a, b in spans:
+        for answer in example.answers:
+            found = context.find(answer, a, b)
+            if found >= 0:
+                out.add((found, found + len(answer)))
+    return sorted(out)
+
+
 def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 

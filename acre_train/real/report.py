@@ -16,6 +16,7 @@ ROW_NAMES = {  # (model group, method) -> the row's name in the report
     ("base", "infoflow"): "infoflow", ("stage0", "acre"): "acre, stage 0 (untrained L1)",
     ("stage0", "acre-l1"): "acre-l1, stage 0 (untrained L1)", ("stage1", "acre"): "acre, stage 1",
     ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
+    ("stage2-refill", "acre"): "acre, stage 1+2 refill-aware",
 }
 
 
@@ -57,14 +58,19 @@ def collect(study: "RealStudy", kept: list[dict[str, Any]] = ()) -> list[dict[st
                     kind = method.split(":")[0]
                     mean, low, high = bootstrap_ci([100.0 * r["score"] for r in mine])
                     contexts = {r.get("context_index"): r["prepare_s"] for r in mine}
-                    recall = [r["refill_recall"] for r in mine if r.get("refill_recall") is not None]
+                    recall = [100.0 * r["refill_recall"] for r in mine if r.get("refill_recall") is not None]
+                    ranks = sorted(r["refill_rank"] for r in mine if r.get("refill_rank") is not None)
+                    _, recall_low, recall_high = bootstrap_ci(recall)
                     out.append({
                         "length": length, "task": task, "row": ROW_NAMES.get((model, kind), f"{kind} ({model})"),
                         "method": method, "n": len(mine), "score": mean, "ci_low": low, "ci_high": high,
                         "kv_pct": 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in mine) / len(mine),
                         "prefill_s": sum(contexts.values()) / len(contexts),
                         "answer_s": sum(r["answer_s"] for r in mine) / len(mine),
-                        "refill_recall": 100.0 * sum(recall) / len(recall) if recall else None,
+                        "refill_recall": sum(recall) / len(recall) if recall else None,
+                        "refill_recall_ci": [recall_low, recall_high] if recall else None,
+                        "refill_rank_median": ranks[len(ranks) // 2] if ranks else None,
+                        "num_l1": sum(r.get("acre_num_l1") or 0 for r in mine) / len(mine),
                     })
     return out
 
@@ -74,13 +80,17 @@ def markdown(records: list[dict[str, Any]]) -> str:
     for length in dict.fromkeys(r["length"] for r in records):
         for task in dict.fromkeys(r["task"] for r in records if r["length"] == length):
             lines += [f"#### {task}, {length} context tokens\n",
-                      "| row | n | score (95 % CI) | KV attended % | prefill s / context | answer s / question | refill recall % |",
-                      "|---|---:|---|---:|---:|---:|---:|"]
+                      "| row | n | score (95 % CI) | KV attended % | prefill s / context | answer s / question "
+                      "| refill recall % (95 % CI) | evidence span rank, median (of L1 entries) |",
+                      "|---|---:|---|---:|---:|---:|---:|---:|"]
             for r in (r for r in records if r["length"] == length and r["task"] == task):
                 recall = "–" if r["refill_recall"] is None else f"{r['refill_recall']:.0f}"
+                if r.get("refill_recall_ci"):
+                    recall += " ({:.0f}–{:.0f})".format(*r["refill_recall_ci"])
+                rank = "–" if r.get("refill_rank_median") is None else f"{r['refill_rank_median']} (of {r['num_l1']:.0f})"
                 mark = " †" if r.get("kept") else ""
                 lines.append(f"| {r['row']} (`{r['method']}`){mark} | {r['n']} | {r['score']:.1f} ({r['ci_low']:.1f}–{r['ci_high']:.1f}) "
-                             f"| {r['kv_pct']:.1f} | {r['prefill_s']:.1f} | {r['answer_s']:.2f} | {recall} |")
+                             f"| {r['kv_pct']:.1f} | {r['prefill_s']:.1f} | {r['answer_s']:.2f} | {recall} | {rank} |")
             lines.append("")
     if any(r.get("kept") for r in records):
         lines.append("† kept from an earlier run of the study (its per-question rows are not on this machine).\n")

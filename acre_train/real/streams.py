@@ -72,8 +72,8 @@ def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: 
     Built with the evaluation's own task generators and prompt pieces (instruction, documents,
     question), at training seeds, so stage 2 trains on exactly the format the study evaluates.
     """
-    from ..data.prompt import qa_messages
-    from ..eval.prompt import example_context, example_instruction
+    from ..data.prompt import context_span, qa_messages
+    from ..eval.prompt import evidence_char_ranges, example_context, example_instruction
     from ..eval.tasks import build_task
 
     rows = []
@@ -81,8 +81,12 @@ def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: 
         length = lengths[i % len(lengths)]
         kind = "squad" if i % 2 == 0 else NEEDLE_KINDS[(i // 2) % len(NEEDLE_KINDS)]
         (ex,) = build_task(kind, tokenizer, length, 1, seed + i, squad_path=squad_train)
-        messages = qa_messages(example_context(ex), ex.question, answer_text(ex), instruction=example_instruction(ex))
-        rows.append({"messages": messages, "task": kind, "context_tokens": length, "seed": seed + i})
+        instruction = example_instruction(ex)
+        messages = qa_messages(example_context(ex), ex.question, answer_text(ex), instruction=instruction)
+        shift = context_span(example_context(ex), instruction)[0]  # the context's place in the user turn
+        evidence = [[0, shift + a, shift + b] for a, b in evidence_char_ranges(ex)]
+        rows.append({"messages": messages, "task": kind, "context_tokens": length, "seed": seed + i,
+                     "evidence": evidence})
     return rows
 
 

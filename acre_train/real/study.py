@@ -4,6 +4,8 @@ Steps (each skipped when its output exists, so the command continues where it st
 
 * ``streams``  training inputs split from the evaluation by SQuAD article (``streams.py``);
 * ``stage1``, ``stage2``  ``acre-train train recipes/qwen2.5-0.5b/stageN.yaml`` with resume=latest;
+* ``stage2-refill``  stage 2 again from stage 1, same data and steps, plus the refill loss
+                     (``recipes/qwen2.5-0.5b/stage2-refill.yaml``, ``train/refill_loss.py``);
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -27,14 +29,17 @@ from typing import Any, Callable
 from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
-STEPS = ("streams", "stage1", "stage2", "export", "eval", "report")
-RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora"}
+STEPS = ("streams", "stage1", "stage2", "stage2-refill", "export", "eval", "report")
+RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora",
+        "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora"}
+STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
 # Model groups of the evaluation, in the order they run, and the rows each answers.
 MODELS = {
     "stage0": ("acre", "acre-l1"),
     "base": ("full", "truncated", "cachefocus", "infoflow"),
     "stage1": ("acre",),
     "stage2": ("acre", "acre-l1"),
+    "stage2-refill": ("acre",),
 }
 
 
@@ -109,7 +114,7 @@ class RealStudy:
         for step in STEPS:
             if step in steps:
                 tic = time.time()
-                getattr(self, "step_" + step)()
+                getattr(self, "step_" + step.replace("-", "_"))()
                 timings[step] = round(time.time() - tic, 1)
         return timings
 
@@ -124,8 +129,10 @@ class RealStudy:
 
         out = self.streams
         if (out / "manifest.json").is_file():
-            self.log(f"streams: {out} exists; skipped")
-            return
+            if json.loads((out / "manifest.json").read_text()).get("version") == STREAMS_VERSION:
+                self.log(f"streams: {out} exists; skipped")
+                return
+            self.log(f"streams: {out} was written by an earlier version; rewriting (same seeds, same conversations)")
         squad = self._need_squad()
         train, held = split_articles(squad)
         subset_squad(squad, train, out / "squad-train.json")
@@ -136,7 +143,8 @@ class RealStudy:
                                     self.config.stage2_lengths)
         write_jsonl(rows, out / "stage2.jsonl")
         manifest = {"squad": str(squad), "train_articles": train, "heldout_articles": held,
-                    "stage2_conversations": len(rows), "eval_seed": EVAL_SEED}
+                    "stage2_conversations": len(rows), "eval_seed": EVAL_SEED, "version": STREAMS_VERSION,
+                    "with_evidence": sum(1 for r in rows if r["evidence"])}
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         self.log(f"streams: wrote {out} ({len(train)} training / {len(held)} held-out SQuAD articles)")
 
@@ -150,13 +158,15 @@ class RealStudy:
         if newest is not None and read_meta(newest).get("step") == target:
             self.log(f"{stage}: finished ({newest}); skipped")
             return
-        data = {"stage1": "text-mix.jsonl", "stage2": "stage2.jsonl"}[stage]
+        data = {"stage1": "text-mix.jsonl", "stage2": "stage2.jsonl", "stage2-refill": "stage2.jsonl"}[stage]
         args = [sys.executable, "-m", "acre_train.cli", "train", str(recipe), f"output_root={run.parent}",
                 f"run_name={run.name}", f"data.path={self.root / 'data' / stage}",
                 f"data.prepare.inputs=[{self.streams / data}]", "checkpoint.resume_from_checkpoint=latest",
                 *self.config.overrides]
-        if stage == "stage2":
-            args.append(f"model.init_from={self.run_dir('stage1')}")
+        if stage.startswith("stage2"):
+            # Stage 1's run, or its export when the run is on another machine (kept L1 weights).
+            start = self.run_dir("stage1") if self._has_checkpoint("stage1") else self.export_dir("stage1")
+            args.append(f"model.init_from={start}")
         self.log(f"{stage}: {' '.join(args[2:])}")
         subprocess.run(args, check=True)
 
@@ -172,6 +182,9 @@ class RealStudy:
     def step_stage2(self) -> None:
         self._train("stage2")
 
+    def step_stage2_refill(self) -> None:
+        self._train("stage2-refill")
+
     def step_export(self) -> None:
         import torch
 
@@ -183,7 +196,7 @@ class RealStudy:
 
         base = resolve_source(self.config.base)
         tok = auto_tokenizer(base)
-        for model in ("stage0", "stage1", "stage2"):
+        for model in ("stage0", "stage1", "stage2", "stage2-refill"):
             out = self.export_dir(model)
             if (out / "config.json").is_file():
                 continue

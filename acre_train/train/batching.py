@@ -18,6 +18,7 @@ from ..modeling.batch import pad_batch
 from ..modeling.interleave import IGNORE_INDEX
 
 PLAN_COLUMNS = ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels")
+REFILL_INPUTS = ("raw_index", "evidence", "question")  # what the refill-loss masks are built from
 
 
 def list_lengths(dataset, column: str) -> np.ndarray:
@@ -86,10 +87,16 @@ class Collator:
 
     vanilla: bool = False
     pad_token_id: int = 0
+    refill: bool = False  # add the refill-loss masks (rows need raw_index, evidence, question)
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not self.vanilla:
-            return pad_batch([{k: np.asarray(r[k]) for k in PLAN_COLUMNS} for r in rows], pad_token_id=self.pad_token_id)
+            batch = pad_batch([{k: np.asarray(r[k]) for k in PLAN_COLUMNS} for r in rows], pad_token_id=self.pad_token_id)
+            if self.refill:
+                from .refill_loss import pad_masks
+
+                batch.update(pad_masks(rows, batch["input_ids"].shape[1]))
+            return batch
         samples = []
         for r in rows:
             raw = ~np.asarray(r["is_l1"], dtype=bool)

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from ..modeling import IGNORE_INDEX, acre_forward, acre_parameters, attach_acre, is_acre_model, load_acre_state_dict
-from .checkpoint import find_weights_checkpoint, load_trainable, read_meta
+from .checkpoint import META, find_weights_checkpoint, load_trainable, read_meta
 from .recipe import Recipe
+from .refill_loss import COLUMNS as REFILL_COLUMNS, QueryKeyCapture, refill_loss_sum
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -61,8 +62,15 @@ def build_model(recipe: Recipe) -> nn.Module:
 
 
 def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
-    """Load a previous run's trainable weights (stage 2 from stage 1); the bases must match."""
-    checkpoint = find_weights_checkpoint(Path(recipe.model.init_from))
+    """Load a previous run's trainable weights (stage 2 from stage 1); the bases must match.
+
+    ``model.init_from``: a run directory, a checkpoint directory, or an adapter-only ACRE export
+    (``acre-train export --adapter-only``: a shared stage-1 adapter whose run is not on this machine).
+    """
+    path = Path(recipe.model.init_from)
+    if (path / "config.json").is_file() and not (path / META).is_file():
+        return _load_from_export(model, recipe, path)
+    checkpoint = find_weights_checkpoint(path)
     meta = read_meta(checkpoint)
     theirs, ours = meta.get("base_model"), base_reference(recipe)
     if theirs != ours:
@@ -75,6 +83,26 @@ def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
         if unexpected or len(weights) != sum(1 for _ in model.parameters()):
             raise ValueError(f"{checkpoint} does not hold this model's weights (unexpected: {unexpected[:4]})")
     return checkpoint
+
+
+def _load_from_export(model: nn.Module, recipe: Recipe, folder: Path) -> Path:
+    from safetensors.torch import load_file
+
+    from ..base.fetch import resolve_source
+    from ..infer.load import check_export_dir
+    from ..modeling.hf import ADAPTER_WEIGHTS
+
+    data = check_export_dir(folder)
+    if not data.get("adapter_only"):
+        raise ValueError(f"model.init_from {folder} is a full ACRE export; start from its run directory, or export "
+                         "the run again with --adapter-only")
+    if not is_acre_model(model):
+        raise ValueError(f"model.init_from {folder} holds L1 weights; mode: vanilla cannot start from them")
+    theirs, ours = data.get("base_model_name_or_path"), recipe.model.source
+    if Path(resolve_source(str(theirs))).resolve() != Path(resolve_source(ours)).resolve():
+        raise ValueError(f"model.init_from {folder} was exported for base {theirs}, this recipe uses {ours}")
+    load_acre_state_dict(model, load_file(str(folder / ADAPTER_WEIGHTS)))
+    return folder
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -101,31 +129,42 @@ class LossModule(nn.Module):
     gradient sync, while ACRE still uses ``acre_forward`` (never a patched ``model.forward``).
     """
 
-    def __init__(self, model: nn.Module, *, kernel: str | None = None, fused_ce: bool = False):
+    def __init__(self, model: nn.Module, *, kernel: str | None = None, fused_ce: bool = False,
+                 refill: dict[str, Any] | None = None):
         super().__init__()
         self.model = model
         self.kernel = kernel
         self.fused_ce = fused_ce
         self.acre = is_acre_model(model)
+        # Refill-aware stage 2 ({"layers", "temperature"}; None: off, the forward is untouched).
+        self.refill = refill
 
-    def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(answer-loss sum, label tokens, refill-loss sum)``; the last is 0 unless the refill loss is on."""
+        masks = {name: batch.pop(name) for name in REFILL_COLUMNS if name in batch}
+        capture = None
+        if self.refill is not None and masks:
+            capture = QueryKeyCapture(self.refill["layers"], self.model.config.num_hidden_layers)
         if self.acre and self.fused_ce:
-            loss_sum, count = self._acre_fused(**batch)
+            loss_sum, count = self._acre_fused(**batch, capture=capture)
         elif self.acre:
-            out = acre_forward(self.model, **batch, kernel=self.kernel)
+            out = acre_forward(self.model, **batch, kernel=self.kernel, capture=capture)
             loss_sum, count = out.loss_sum, out.num_tokens
         else:
             loss_sum, count = self._vanilla(**batch)
         if self.acre and not bool(batch["is_l1"].any()):
             # No L1 token: L1 weights take no part, which DDP/ZeRO reducers treat as an error.
             loss_sum = loss_sum + 0.0 * sum(p.sum() for _, p in acre_parameters(self.model))
-        return loss_sum, torch.as_tensor(count)
+        refill = loss_sum.new_zeros(())
+        if capture is not None:
+            refill = refill_loss_sum(self.model, capture, {**batch, **masks}, self.refill["temperature"])
+        return loss_sum, torch.as_tensor(count), refill
 
-    def _acre_fused(self, labels, **batch):
+    def _acre_fused(self, labels, capture=None, **batch):
         """Liger's fused linear + cross-entropy on the ACRE hidden states (CUDA only; see liger.py)."""
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        hidden = acre_forward(self.model, **batch, labels=None, kernel=self.kernel).hidden_states
+        hidden = acre_forward(self.model, **batch, labels=None, kernel=self.kernel, capture=capture).hidden_states
         selected = labels != IGNORE_INDEX
         loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
         head = self.model.lm_head

@@ -63,7 +63,7 @@ class ModelSection(_Section):
     lora: LoraSection = Field(default_factory=lambda: LoraSection())
     kernel: Literal["chunked", "dense", "flex"] | None = None  # ACRE attention kernel; None = default for the device
     gradient_checkpointing: bool = False  # always non-reentrant (DESIGN §3: gradients cross chunks)
-    init_from: str | None = None  # stage 2: a stage-1 run directory or checkpoint directory
+    init_from: str | None = None  # stage 2: a stage-1 run directory, checkpoint directory or adapter-only export
     save_base: bool = True  # tiny sources: save the base into <run>/base_model so later stages can reload it
 
 
@@ -89,6 +89,15 @@ class LigerSection(_Section):
     fused_linear_cross_entropy: bool = False
 
 
+class RefillLossSection(_Section):
+    """Refill-aware stage 2 (``train/refill_loss.py``): ``weight`` x the retrieval loss is added to the
+    answer loss (0: off, plain stage 2); the score is inference's at ``layers`` (default: the last)."""
+
+    weight: float = Field(0.0, ge=0)
+    layers: list[int] = Field(default_factory=lambda: [-1])
+    temperature: float = Field(1.0, gt=0)
+
+
 class TrainSection(_Section):
     """Optimisation. ``global_batch_size = micro_batch_size x gradient_accumulation_steps x world``."""
 
@@ -111,6 +120,7 @@ class TrainSection(_Section):
     deepspeed: str | None = None  # a DeepSpeed JSON config (paths are relative to the recipe file, then cwd)
     group_by_chunks: bool = True  # every rank runs the same number of chunks per step
     liger: LigerSection = Field(default_factory=LigerSection)
+    refill_loss: RefillLossSection = Field(default_factory=RefillLossSection)
 
 
 class LoggingSection(_Section):
@@ -371,9 +381,12 @@ def _check_model(recipe: Recipe) -> list[str]:
             from ..modeling.adapter import FLEX_ON_CPU
 
             problems.append(f"model.kernel: {FLEX_ON_CPU}")
+    if recipe.train.refill_loss.weight and (recipe.stage != 2 or recipe.mode != "acre"):
+        problems.append("train.refill_loss needs stage 2 in acre mode (questions with evidence positions); "
+                        "set train.refill_loss.weight=0 or stage: 2")
     if recipe.stage == 2 and recipe.mode == "acre" and not m.init_from:
         problems.append("stage 2 starts from stage-1 L1 weights: set model.init_from to a stage-1 run or checkpoint directory")
-    if m.init_from:
+    if m.init_from and not (Path(m.init_from) / "config.json").is_file():  # an export is checked when loaded
         from .checkpoint import find_weights_checkpoint
 
         try:

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .batching import PLAN_COLUMNS, Collator, epoch_batches, label_count, list_lengths, rank_micro_batches, split_held_out
+from .batching import PLAN_COLUMNS, REFILL_INPUTS, Collator, epoch_batches, label_count, list_lengths, rank_micro_batches, split_held_out
 from ..measure import PeakMemory
 from .callbacks import StepLogger
 from .cost import step_flops
 from .distributed import DistInfo, setup, teardown
 from .liger import apply_liger
 from .model import LossModule, base_reference, build_model, load_base, load_trainable_state, save_base, trainable_state
+from .refill_loss import num_samples as refill_samples
 from .recipe import Recipe, RecipeError, check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
 
 
@@ -98,7 +99,16 @@ class Trainer:
             dataset = dataset.select(range(min(r.data.max_samples, len(dataset))))
         dataset, held_out = split_held_out(dataset, r.data.eval_split, r.seed)
         self.eval_dataset = held_out.with_format("numpy", columns=PLAN_COLUMNS) if held_out is not None else None
-        self.dataset = dataset.with_format("numpy", columns=[*PLAN_COLUMNS, "intervals", "sample_index"])
+        self.refill_weight = r.train.refill_loss.weight if r.mode == "acre" else 0.0
+        extra = ()
+        if self.refill_weight:
+            extra = REFILL_INPUTS
+            missing = [c for c in REFILL_INPUTS if c not in dataset.column_names]
+            if missing or not self.manifest.get("counts", {}).get("with_evidence", self.manifest.get("with_evidence")):
+                raise RecipeError([f"train.refill_loss needs stage-2 data with evidence positions; {r.data.path} "
+                                   f"{'lacks the columns ' + str(missing) if missing else 'has no sample with evidence'} "
+                                   "(re-prepare it with this version, from inputs that carry 'evidence' or from SQuAD)"])
+        self.dataset = dataset.with_format("numpy", columns=[*PLAN_COLUMNS, "intervals", "sample_index", *extra])
         self.chunks = list_lengths(dataset, "intervals")
         self.lengths = list_lengths(dataset, "input_ids")
         self.raw_lengths = np.asarray(dataset["num_raw_tokens"], dtype=np.int64)
@@ -108,7 +118,8 @@ class Trainer:
                                f"of {self.global_batch}; lower train.global_batch_size or add data"])
         self.total_steps = r.train.max_steps or max(1, int(r.train.epochs * self.steps_per_epoch))
         pad = self.manifest.get("tokenizer", {}).get("pad_token_id")
-        self.collate = Collator(vanilla=r.mode == "vanilla", pad_token_id=int(pad) if pad is not None else 0)
+        self.collate = Collator(vanilla=r.mode == "vanilla", pad_token_id=int(pad) if pad is not None else 0,
+                                refill=bool(self.refill_weight))
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         r = self.recipe
@@ -123,7 +134,10 @@ class Trainer:
         seed_everything(r.seed)
         self.model = build_model(r).to(self.info.device)
         active = apply_liger(self.model, t.liger, log=self.log)
-        self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"])
+        refill = t.refill_loss
+        self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"],
+                                      refill={"layers": refill.layers, "temperature": refill.temperature}
+                                      if self.refill_weight else None)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                                            eps=t.adam_epsilon, weight_decay=t.weight_decay)
@@ -353,13 +367,17 @@ class Trainer:
         local_labels = sum(label_count(b) for b in tensors)
         (global_labels,) = info.all_reduce_sum([local_labels])
         scale = info.world_size / max(global_labels, 1.0)
+        # The refill loss is a mean per sample that carries evidence (the answer loss: per label token).
+        (global_refill,) = info.all_reduce_sum([sum(refill_samples(b) for b in tensors)]) if self.refill_weight else (0,)
+        refill_scale = self.refill_weight * info.world_size / max(global_refill, 1.0)
         lr = float(self.scheduler.get_last_lr()[0])
-        loss_total = 0.0
+        loss_total, refill_total = 0.0, 0.0
         for j, batch_tensors in enumerate(tensors):
             batch_tensors = {k: v.to(info.device) for k, v in batch_tensors.items()}
-            loss_total += self.micro_step(batch_tensors, scale, last=j == len(tensors) - 1)
+            lm, refill = self.micro_step(batch_tensors, scale, refill_scale, last=j == len(tensors) - 1)
+            loss_total, refill_total = loss_total + lm, refill_total + refill
         grad_norm = self.optimizer_step()
-        (loss_sum,) = info.all_reduce_sum([loss_total])
+        (loss_sum, refill_sum) = info.all_reduce_sum([loss_total, refill_total])
         mix = Counter(int(v) for i in batch for v in self.dataset[int(i)]["intervals"])
         chunks = sum(mix.values())
         tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
@@ -370,6 +388,8 @@ class Trainer:
                    "tokens_seen": self.tokens_seen, "label_tokens": int(global_labels),
                    "rank_chunk_spread": self.rank_chunk_spread(batch)}
         metrics.update({f"l1_interval_mix/{k}": v / chunks for k, v in sorted(mix.items())})
+        if self.refill_weight:
+            metrics.update(refill_loss=refill_sum / max(global_refill, 1.0), refill_samples=int(global_refill))
         return metrics
 
     @torch.no_grad()
@@ -379,7 +399,7 @@ class Trainer:
         loss_sum, count = 0.0, 0.0
         for i in range(self.info.rank, len(self.eval_dataset), self.info.world_size):
             batch = {k: v.to(self.info.device) for k, v in self.collate([self.eval_dataset[i]]).items()}
-            part, n = self.loss_module(**batch)
+            part, n, _ = self.loss_module(**batch)
             loss_sum, count = loss_sum + float(part), count + float(n)
         loss_sum, count = self.info.all_reduce_sum([loss_sum, count])
         return loss_sum / max(count, 1.0)
@@ -391,22 +411,25 @@ class Trainer:
             accumulation=self.gas)) for r in range(self.info.world_size)]
         return max(per_rank) - min(per_rank)
 
-    def micro_step(self, batch: dict[str, torch.Tensor], scale: float, last: bool) -> float:
-        """Forward + backward of one micro-batch, gradients weighted by its share of label tokens."""
+    def micro_step(self, batch: dict[str, torch.Tensor], scale: float, refill_scale: float, last: bool) -> tuple[float, float]:
+        """Forward + backward of one micro-batch, gradients weighted by its share of label tokens (and of
+        evidence samples for the refill loss); returns (answer-loss sum, refill-loss sum)."""
         bf16 = self.recipe.train.bf16 and self.engine is None and self.info.device.type == "cuda"
         # DDP: skip the gradient all-reduce until the last micro-batch. DeepSpeed tracks the
         # accumulation boundary itself (its no_sync is refused under ZeRO-2).
         sync = last or self.engine is not None or not hasattr(self.wrapped, "no_sync")
         context = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
         with context, (self.wrapped.no_sync() if not sync else nullcontext()):
-            loss_sum, _ = self.wrapped(**batch)
+            loss_sum, _, refill_sum = self.wrapped(**batch)
             loss = loss_sum * scale
+            if refill_scale:
+                loss = loss + refill_sum * refill_scale
             if self.engine is not None:
                 self.engine.backward(loss, scale_wrt_gas=False)
                 self.engine.step()  # DeepSpeed counts micro-steps and updates at the boundary
             else:
                 loss.backward()
-        return float(loss_sum.detach())
+        return float(loss_sum.detach()), float(refill_sum.detach())
 
     def optimizer_step(self) -> float:
         """Clip, step, schedule (DeepSpeed already did all three); returns the pre-clip grad norm."""

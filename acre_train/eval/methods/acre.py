@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from ..prompt import PreparedExample
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
 
@@ -87,7 +89,7 @@ class Acre(EvalMethod):
             ttft_s=t.get("score_s", 0.0) + t.get("refill_s", 0.0) + t.get("prefill_s", 0.0),
         )
         extra = {"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected,
-                 **refill_recall(tokenizer, example, cache, ans.selected)}
+                 **refill_recall(tokenizer, example, cache, ans.selected, ans.scores)}
         return MethodResult(prediction=decode_text(tokenizer, ans.token_ids, generation.stop_ids),
                             output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits, extra=extra)
 
@@ -116,19 +118,28 @@ def evidence_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int
     return out
 
 
-def refill_recall(tokenizer, example: PreparedExample, cache, selected: list[int]) -> dict[str, Any]:
+def refill_recall(tokenizer, example: PreparedExample, cache, selected: list[int],
+                  scores=None) -> dict[str, Any]:
     """Did refilling bring the evidence back? Share of evidence ranges that overlap a refilled span or
     the raw tail (which the question always sees), and the share of the context that was so visible
-    (what a random choice of the same number of spans would reach on average)."""
+    (what a random choice of the same number of spans would reach on average). ``refill_rank``: where
+    the best-scored span holding evidence ranked among all spans (1 = first; None without scores or
+    when no finished span holds evidence)."""
     evidence = evidence_token_ranges(tokenizer, example)
     if not evidence:
-        return {"refill_recall": None, "refill_visible_share": None}
+        return {"refill_recall": None, "refill_visible_share": None, "refill_rank": None}
     bounds = cache.span_bounds.tolist()
     n_ctx = cache.num_context_tokens
     visible = [(bounds[j], bounds[j + 1]) for j in selected] + [(n_ctx - len(cache.tail_ids), n_ctx)]
     hits = sum(any(a < vb and b > va for va, vb in visible) for a, b in evidence)
     share = sum(vb - va for va, vb in visible) / max(1, n_ctx)
-    return {"refill_recall": hits / len(evidence), "refill_visible_share": share}
+    rank = None
+    if scores is not None:
+        holding = [j for j in range(len(bounds) - 1) if any(a < bounds[j + 1] and b > bounds[j] for a, b in evidence)]
+        if holding:
+            order = torch.argsort(scores.float(), descending=True).tolist()
+            rank = 1 + min(order.index(j) for j in holding)
+    return {"refill_recall": hits / len(evidence), "refill_visible_share": share, "refill_rank": rank}
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""Refill-aware stage 2: an auxiliary loss that teaches a question to find its evidence's L1 entry.
+
+Refilling helps only if the question's attention over the L1 entries ranks the span holding the
+evidence near the top; plain stage 2 hopes the answer loss shapes that ranking. This loss trains it
+directly. For every sample that records its evidence (``evidence`` and ``question`` columns of a
+stage-2 dataset), it computes the refill score exactly as inference does (``infer.refill.score_entries``:
+softmax over the L1 entries of question-query · L1-key / sqrt(d), mean over heads, question tokens and
+scoring layers) and adds ``-log`` of the score mass on the entries whose spans hold evidence.
+
+Which tokens take part (what inference scores, in the training plan's terms):
+
+* queries: the question's raw tokens (after the context, before the answer) in the chunk of its first
+  token -- at inference the tail and the question form one open chunk over the L1 cache;
+* entries: the L1 tokens of every earlier chunk, keys rotated at their memory positions ``j``;
+* targets: the entries whose span (the raw tokens since the previous L1 token of the chunk) holds an
+  evidence token. A sample whose evidence lies in the question's own chunk has no target: skipped.
+
+Gradients reach the L1 projections (the keys of the entries and, through them, every earlier L1
+layer); the question's queries come from the frozen base and carry none of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..infer.refill import score_entries
+from ..modeling.rope import Rope
+
+COLUMNS = ("refill_query", "refill_entry", "refill_target")
+
+
+def refill_masks(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The three per-token masks of one stage-2 row, or None when it gives the loss nothing to learn.
+
+    >>> from acre_train.modeling import interleave
+    >>> plan = interleave(list(range(10)), first_chunk=4, stride=6, intervals=2)
+    >>> row = {**plan.as_dict(), "evidence": [2, 3], "question": [6, 8]}
+    >>> m = refill_masks(row)
+    >>> [int(i) for i in np.flatnonzero(m["refill_entry"])], [int(i) for i in np.flatnonzero(m["refill_target"])]
+    ([2, 5], [5])
+    """
+    is_l1 = np.asarray(row["is_l1"], dtype=bool)
+    chunks = np.asarray(row["chunk_ids"])
+    raw = np.asarray(row["raw_index"])
+    evidence = np.asarray(row.get("evidence", []), dtype=np.int64).reshape(-1, 2)
+    question = np.asarray(row.get("question", []), dtype=np.int64)
+    if not len(evidence) or len(question) != 2 or question[1] <= question[0]:
+        return None
+    asked = ~is_l1 & (raw >= question[0]) & (raw < question[1])
+    if not asked.any():
+        return None
+    chunk = chunks[np.flatnonzero(asked)[0]]
+    query = asked & (chunks == chunk)
+    entry = is_l1 & (chunks < chunk)
+    in_evidence = ~is_l1 & np.any((raw[:, None] >= evidence[:, 0]) & (raw[:, None] < evidence[:, 1]), axis=1)
+    # The entry owning a raw token: the next L1 token of the same chunk (pending tokens own none).
+    l1_at = np.flatnonzero(is_l1)
+    after = np.searchsorted(l1_at, np.flatnonzero(in_evidence))
+    owners = [l1_at[i] for i, p in zip(after, np.flatnonzero(in_evidence)) if i < len(l1_at) and chunks[l1_at[i]] == chunks[p]]
+    target = np.zeros_like(is_l1)
+    target[owners] = True
+    target &= entry
+    if not target.any():
+        return None
+    return {"refill_query": query, "refill_entry": entry, "refill_target": target}
+
+
+def pad_masks(rows: Sequence[dict[str, Any]], length: int) -> dict[str, torch.Tensor]:
+    """``[B, length]`` bool masks of a batch (all False for rows without usable evidence)."""
+    out = {name: torch.zeros(len(rows), length, dtype=torch.bool) for name in COLUMNS}
+    for b, row in enumerate(rows):
+        masks = refill_masks(row)
+        if masks is None:
+            continue
+        for name, mask in masks.items():
+            out[name][b, : len(mask)] = torch.from_numpy(mask)
+    return out
+
+
+def num_samples(batch: dict[str, torch.Tensor]) -> int:
+    """Samples of a collated batch that the refill loss learns from."""
+    return int(batch["refill_target"].any(dim=1).sum()) if "refill_target" in batch else 0
+
+
+class QueryKeyCapture:
+    """An ``acre_forward`` capture hook keeping the rotated queries and pre-RoPE keys of some layers."""
+
+    def __init__(self, layers: Sequence[int], num_layers: int):
+        if any(not -num_layers <= layer < num_layers for layer in layers):
+            raise ValueError(f"refill_loss.layers {tuple(layers)} out of range for a {num_layers}-layer model")
+        self.layers = sorted({layer % num_layers for layer in layers})
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, _value: torch.Tensor) -> None:
+        if layer in self.layers:
+            self.seen[layer] = (query, key)
+
+
+def sample_scores(model: nn.Module, capture: QueryKeyCapture, b: int, query: torch.Tensor, entry: torch.Tensor,
+                  memory_positions: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Refill scores ``[m]`` of sample ``b``'s entries (what ``AcreEngine.scores`` computes at inference)."""
+    rope = Rope.of(model)
+    q_rows = torch.nonzero(query, as_tuple=False).reshape(-1)
+    e_rows = torch.nonzero(entry, as_tuple=False).reshape(-1)
+    positions = memory_positions.index_select(0, e_rows)
+    queries, keys = [], []
+    for layer in capture.layers:
+        q, k = capture.seen[layer]
+        queries.append(q[b].index_select(1, q_rows))
+        keys.append(rope.rotate(k[b].index_select(1, e_rows), positions))
+    return score_entries(queries, keys, temperature=temperature)
+
+
+def refill_loss_sum(model: nn.Module, capture: QueryKeyCapture, batch: dict[str, torch.Tensor],
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Sum over the batch's samples of ``-log`` (score mass on the evidence entries)."""
+    total = torch.zeros((), device=batch["refill_target"].device)
+    for b in range(batch["refill_target"].shape[0]):
+        target = batch["refill_target"][b]
+        if not bool(target.any()):
+            continue
+        entry = batch["refill_entry"][b]
+        scores = sample_scores(model, capture, b, batch["refill_query"][b], entry, batch["memory_positions"][b], temperature)
+        hit = target[entry]  # which of the scored entries are targets
+        total = total - torch.log(scores[hit].sum().clamp_min(1e-30))
+    return total
