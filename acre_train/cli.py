@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from .files import DiskFullError  # an OSError a user fixes by freeing space
+
 # verb -> (module, one-line help). Order is the order a newcomer meets them.
 VERBS: dict[str, tuple[str, str]] = {
     "env": ("acre_train.env_info", "print torch / transformers / deepspeed / CUDA facts for bug reports"),
@@ -38,7 +40,7 @@ def user_errors(run):
     def wrapper(args, *rest, **kw) -> int:
         try:
             return run(args, *rest, **kw)
-        except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as exc:
+        except (ValueError, FileNotFoundError, FileExistsError, MissingExtra, DiskFullError) as exc:
             print(f"acre-train {getattr(args, 'verb', '')}: error: {exc}", file=sys.stderr)
             return 2
 

@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..files import disk_errors
 from .errors import DataError
 
 FORMAT_VERSION = 1
@@ -114,7 +115,8 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        yield tmp
+        with disk_errors(f"the prepared dataset {path}"):
+            yield tmp
         if read_manifest(tmp) is None:
             raise DataError(f"internal error: {tmp} has no complete manifest; not publishing it")
         old = None

@@ -33,10 +33,17 @@ class LoadedCheckpoint:
 
 
 def consolidate_zero(ds_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """fp32 trainable weights from a DeepSpeed ZeRO-1/2 checkpoint folder (frozen params excluded)."""
+    """fp32 trainable weights from a DeepSpeed ZeRO-1/2 checkpoint folder (frozen params excluded).
+
+    Loaded with ``weights_only=True`` (``files.deepspeed_weights_only``): a crafted ``*_states.pt``
+    is refused, not run. Exporting someone else's checkpoint still means trusting its weights.
+    """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, exclude_frozen_parameters=True))
+    from ..files import deepspeed_weights_only
+
+    with deepspeed_weights_only():
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, exclude_frozen_parameters=True))
 
 
 def match_acre_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,12 +11,15 @@ weights) and records ``base_model_name_or_path``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from ..files import disk_errors
 from ..modeling.adapter import acre_state_dict, is_acre_model
 from ..modeling.hf import ACRE_EXPORT_FORMAT, ADAPTER_WEIGHTS, AcreConfig, wrap
 
@@ -49,7 +52,23 @@ def export_model(
         raise ValueError("export needs an ACRE model (attach_acre); got a model without L1 parameters")
     if adapter_only and not base_model:
         raise ValueError("--adapter-only needs the base model it points to (--base-model PATH_OR_HUB_ID)")
-    out = _prepare_dir(Path(out_dir), overwrite)
+    final = _check_target(Path(out_dir), overwrite)
+    # Written under a temporary name and renamed at the end: an interrupted export (kill, full disk)
+    # never leaves a folder with a config.json that looks complete.
+    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        with disk_errors(f"the export {final}"):
+            _write(model, out, final, tokenizer, adapter_only, base_model, inference, source)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(out, final)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return final
+
+
+def _write(model: nn.Module, out: Path, final: Path, tokenizer: Any, adapter_only: bool, base_model: str | None,
+           inference: dict[str, Any] | None, source: dict[str, Any] | None) -> None:
     section = {"format": ACRE_EXPORT_FORMAT, "inference": dict(inference or {}), "source": dict(source or {})}
     hf_model = wrap(model, acre=section)
     if adapter_only:
@@ -67,16 +86,17 @@ def export_model(
         hf_model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    (out / "README.md").write_text(EXPORT_README.format(folder=out), encoding="utf-8")
-    return out
+    (out / "README.md").write_text(EXPORT_README.format(folder=final), encoding="utf-8")
 
 
-def _prepare_dir(out: Path, overwrite: bool) -> Path:
+def _check_target(out: Path, overwrite: bool) -> Path:
+    """``out`` may be written: absent, empty, or an ACRE export with ``overwrite``."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
         if not (out / "config.json").is_file() or json.loads((out / "config.json").read_text()).get("model_type") != "acre":
             raise FileExistsError(f"refusing to overwrite {out}: it is not an ACRE export")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by a killed export
+        shutil.rmtree(stale, ignore_errors=True)
     return out

@@ -130,7 +130,12 @@ class AcreForCausalLM(PreTrainedModel):
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         base = AutoModelForCausalLM.from_pretrained(base_ref, **({"dtype": dtype} if dtype is not None else {}))
         attach_from_section(base, config.acre)
-        state = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
+        weights = os.path.join(folder, ADAPTER_WEIGHTS)
+        try:
+            state = load_file(weights)
+        except Exception as exc:  # this file is copied into exports: no acre_train import here
+            raise ValueError(f"{weights} is damaged or truncated ({type(exc).__name__}: {exc}); "
+                             "export the adapter again") from exc
         own = next(base.parameters())
         load_acre_state_dict(base, {k: v.to(own.device, own.dtype) for k, v in state.items()})
         config._attn_implementation = base.config._attn_implementation

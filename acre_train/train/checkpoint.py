@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..files import DiskFullError, disk_errors, read_safetensors
+
 FORMAT_VERSION = 1
 META = "acre_checkpoint.json"
 WEIGHTS = "trainable.safetensors"
@@ -163,19 +165,30 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
     barrier()
-    save_rng(tmp, rank)
-    if engine is not None:
-        # Only the trainable parameters; ZeRO-1/2 optimizer shards are written by every rank.
-        engine.save_checkpoint(str(tmp / DS_DIR), tag=DS_TAG, exclude_frozen_parameters=True)
-    elif rank == 0:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    if rank == 0:
-        save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / WEIGHTS))
-        (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    try:
+        with disk_errors(f"{final} (the previous checkpoint, if any, is intact)"):
+            save_rng(tmp, rank)
+            if engine is not None:
+                # Only the trainable parameters; ZeRO-1/2 optimizer shards are written by every rank.
+                engine.save_checkpoint(str(tmp / DS_DIR), tag=DS_TAG, exclude_frozen_parameters=True)
+            elif rank == 0:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if rank == 0:
+                save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / WEIGHTS))
+                (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    except DiskFullError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier()
     if rank == 0:
-        (tmp / META).write_text(json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2) + "\n", encoding="utf-8")
+        try:
+            with disk_errors(f"{final} (the previous checkpoint, if any, is intact)"):
+                (tmp / META).write_text(json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2) + "\n",
+                                        encoding="utf-8")
+        except DiskFullError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _publish(tmp, final)
         _write_text_atomic(run_dir / LATEST, final.name + "\n")
         if keep_last:
@@ -210,7 +223,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def load_trainable(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(checkpoint) / WEIGHTS))
+    return read_safetensors(Path(checkpoint) / WEIGHTS)
 
 
 def load_rng(checkpoint: Path, rank: int) -> None:

@@ -241,7 +241,10 @@ class Trainer:
         ckpt.check_compatible(meta, self.identity(), path)
         self.check_recipe_changes(path)
         if self.engine is not None:
-            loaded, _ = self.engine.load_checkpoint(str(path / ckpt.DS_DIR), tag=ckpt.DS_TAG, load_module_strict=False)
+            from ..files import deepspeed_weights_only
+
+            with deepspeed_weights_only():  # DeepSpeed's loader would unpickle anything
+                loaded, _ = self.engine.load_checkpoint(str(path / ckpt.DS_DIR), tag=ckpt.DS_TAG, load_module_strict=False)
             if loaded is None:
                 raise ckpt.CheckpointMismatch(f"DeepSpeed found no state in {path / ckpt.DS_DIR}")
         else:

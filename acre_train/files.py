@@ -1,0 +1,112 @@
+"""Reading files a user may have been handed, and writing when the disk may fill: clear errors, no pickle.
+
+* :func:`read_safetensors`: a damaged or truncated safetensors file is an error naming the file.
+* :func:`deepspeed_weights_only`: DeepSpeed's own loaders call ``torch.load(weights_only=False)``,
+  which runs any code a crafted ``*_states.pt`` carries. Inside this context every ``torch.load``
+  is ``weights_only=True`` with the few DeepSpeed classes its checkpoints hold allowed
+  (:data:`DEEPSPEED_GLOBALS`); anything else is refused, naming the file and the object.
+* :func:`disk_errors`: "No space left on device" raised anywhere inside becomes :class:`DiskFullError`
+  saying what was being written (callers write to temporary names and rename, so nothing
+  half-written is left looking complete).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import pickle
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI imports this module at start-up
+    import torch
+
+# What DeepSpeed ZeRO-1/2 checkpoints pickle besides tensors and containers (found by loading real
+# ZeRO-1/2 CPU checkpoints with weights_only=True); all are plain data holders.
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+class DamagedFileError(ValueError):
+    """A weights file that cannot be read back (truncated, flipped bytes, not safetensors)."""
+
+
+class UntrustedPickleError(ValueError):
+    """A checkpoint file holds a Python object outside the allow-list: it is not loaded."""
+
+
+class DiskFullError(OSError):
+    """The disk filled up while writing."""
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file; a damaged file raises :class:`DamagedFileError` naming it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own SafetensorError, or OSError / ValueError
+        raise DamagedFileError(f"{path} is damaged or truncated ({type(exc).__name__}: {exc}); "
+                               "re-create it (re-export / re-save) or restore a good copy") from exc
+
+
+def _allowed_globals() -> list[type]:
+    out = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):  # another DeepSpeed version: that class does not exist
+            continue
+    return out
+
+
+@contextmanager
+def deepspeed_weights_only() -> Iterator[None]:
+    """Run DeepSpeed checkpoint loading with every ``torch.load`` forced to ``weights_only=True``.
+
+    >>> with deepspeed_weights_only():  # doctest: +SKIP
+    ...     engine.load_checkpoint(folder)
+    """
+    import torch
+
+    original = torch.load
+
+    def restricted(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UntrustedPickleError(
+                f"{f}: refused to unpickle an object outside the allow-list ({first}). acre-train loads "
+                "DeepSpeed checkpoints with weights_only=True; a checkpoint that needs more is either from "
+                "another DeepSpeed version or crafted. Export from a checkpoint you trust.") from exc
+
+    allowed = _allowed_globals()
+    torch.load = restricted
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        torch.load = original
+
+
+@contextmanager
+def disk_errors(what: str) -> Iterator[None]:
+    """Turn "no space left on device" into :class:`DiskFullError` naming ``what`` was being written."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC or "No space left" in str(exc):
+            raise DiskFullError(errno.ENOSPC, f"the disk is full while writing {what}; free space and run "
+                                "again (nothing half-written was kept)") from exc
+        raise

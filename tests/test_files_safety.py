@@ -1,0 +1,155 @@
+"""Files a user may be handed, and a disk that fills up (issue: nothing lost, nothing silent, items 8-9).
+
+* a crafted DeepSpeed ``*_states.pt`` is refused (never unpickled) by export's consolidation;
+* damaged safetensors (checkpoint weights, adapter export) are errors naming the file;
+* a full disk during a checkpoint, a preparation or an export leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from acre_train.cli import main as cli_main
+from acre_train.export import export_model
+from acre_train.files import DamagedFileError, DiskFullError, UntrustedPickleError, deepspeed_weights_only
+from acre_train.modeling import acre_parameters, attach_acre
+from acre_train.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Payload:
+    """Unpickling this runs ``Path(marker).touch()``: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _crafted_zero_checkpoint(folder: Path, marker: Path) -> Path:
+    state = folder / "global_step1"
+    state.mkdir(parents=True)
+    (folder / "latest").write_text("global_step1")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        with open(state / name, "wb") as f:
+            pickle.dump({"module": {}, "payload": _Payload(str(marker))}, f)
+    return folder
+
+
+def test_a_crafted_deepspeed_checkpoint_is_refused_not_run(tmp_path):
+    pytest.importorskip("deepspeed")
+    from acre_train.export.checkpoint import consolidate_zero
+
+    marker = tmp_path / "pwned"
+    ds = _crafted_zero_checkpoint(tmp_path / "ds", marker)
+    with pytest.raises(UntrustedPickleError, match=r"mp_rank_00_model_states\.pt|optim_states\.pt"):
+        consolidate_zero(ds)
+    assert not marker.exists()
+    # The patch is scoped: outside the context torch.load is the library's own again.
+    with deepspeed_weights_only():
+        assert torch.load.__name__ == "restricted"
+    assert torch.load.__name__ == "load"
+
+
+def test_the_allow_list_loads_what_deepspeed_writes(tmp_path):
+    """DeepSpeed's own objects (loss scaler, fragment addresses, ZeRO stage enum) pass weights_only."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    del deepspeed
+    path = tmp_path / "optim_states.pt"
+    torch.save({"loss_scaler": LossScaler(1.0), "stage": ZeroStageEnum.gradients,
+                "addr": fragment_address(numel=4, start=0), "t": torch.ones(2)}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)  # without the allow-list
+    with deepspeed_weights_only():
+        state = torch.load(path)
+    assert state["stage"] == ZeroStageEnum.gradients and torch.equal(state["t"], torch.ones(2))
+
+
+def _model():
+    model = attach_acre(tiny_model("qwen2", vocab_size=1024, eos_token_id=0))
+    with torch.no_grad():
+        for _, p in acre_parameters(model):
+            p.add_(0.01)
+    return model
+
+
+def test_damaged_weights_are_errors_naming_the_file(tmp_path, capsys):
+    from acre_train.infer.load import load_export
+    from acre_train.train.checkpoint import load_trainable
+
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    (checkpoint / "trainable.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    with pytest.raises(DamagedFileError, match=r"checkpoint-3/trainable\.safetensors is damaged"):
+        load_trainable(checkpoint)
+
+    base = tmp_path / "base"
+    model = _model()
+    tiny_model("qwen2", vocab_size=1024, eos_token_id=0).save_pretrained(base)
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+
+    export = export_model(model, tmp_path / "export", adapter_only=True, base_model=str(base), tokenizer=tiny_tokenizer())
+    weights = export / "acre_adapter.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated copy
+    with pytest.raises(ValueError, match=r"acre_adapter\.safetensors is damaged or truncated"):
+        load_export(export)
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"context": "Paris is in France.", "question": "Where is Paris?"}) + "\n")
+    capsys.readouterr()
+    assert cli_main(["generate", str(export), "--input", str(rows), "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert "acre_adapter.safetensors is damaged" in capsys.readouterr().err
+
+
+def _no_space(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    from acre_train.train import checkpoint as ckpt
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    common = dict(rank=0, barrier=lambda: None, trainable={"w": torch.ones(2)}, meta={"step": 0},
+                  recipe_yaml="run_name: x\n", optimizer=opt, scheduler=sched, keep_last=2)
+    first = ckpt.save_checkpoint(tmp_path, 1, **common)
+    monkeypatch.setattr(ckpt, "save_file", _no_space)
+    with pytest.raises(DiskFullError, match="disk is full while writing .*checkpoint-2"):
+        ckpt.save_checkpoint(tmp_path, 2, **common)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "latest"]
+    assert ckpt.latest_checkpoint(tmp_path) == first
+
+
+def test_a_full_disk_during_preparation_or_export_leaves_nothing(tmp_path, monkeypatch):
+    import datasets
+
+    from acre_train.data import Stage2Settings, prepare_stage2
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"},
+                                             {"role": "assistant", "content": "Hello."}]}) + "\n")
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", _no_space)
+    settings = Stage2Settings(inputs=(str(path),), output=tmp_path / "prepared", first_chunk=64, stride=32,
+                              intervals=(4,))
+    with pytest.raises(DiskFullError, match="prepared dataset"):
+        prepare_stage2(settings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", _no_space)
+    with pytest.raises(DiskFullError, match="export"):
+        export_model(_model(), tmp_path / "export", adapter_only=True, base_model="somewhere")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
