@@ -234,7 +234,8 @@ def load_rng(checkpoint: Path, rank: int) -> None:
 # Data and base changes are caught by the identity fields (data fingerprint, base reference).
 RESUME_MAY_CHANGE = (
     "run_name", "output_root", "train.max_steps", "train.epochs", "train.micro_batch_size",
-    "train.gradient_accumulation_steps", "train.deepspeed", "train.liger.", "logging.", "checkpoint.", "data.",
+    "train.gradient_accumulation_steps", "train.deepspeed", "train.liger.", "train.dist_timeout_s", "logging.",
+    "checkpoint.", "data.",
     "model.init_from", "model.kernel", "model.gradient_checkpointing", "model.attn_implementation", "model.save_base",
 )
 

@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, then train (every rank runs this under torchrun / the deepspeed launcher)."""
+    from .distributed import PeerLost
     from .trainer import train
 
     try:
@@ -29,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130  # the trainer said what was saved
+    except PeerLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(f"done: step {result.steps}, last checkpoint {result.last_checkpoint}")
     return 0
 

@@ -43,8 +43,28 @@ class DistInfo:
         return tensor.tolist()
 
 
-def setup(use_deepspeed: bool) -> DistInfo:
-    """Initialise the process group when launched with several ranks (or DeepSpeed) and pick the device."""
+class PeerLost(RuntimeError):
+    """Another rank died, was killed, or became unreachable: this rank stops instead of hanging."""
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Does ``exc`` say that a collective lost its peers (closed connection, timeout, backend error)?"""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+                            "timeout", "socket"))
+
+
+def setup(use_deepspeed: bool, timeout_s: int | None = None) -> DistInfo:
+    """Initialise the process group when launched with several ranks (or DeepSpeed) and pick the device.
+
+    ``timeout_s``: longest wait in a collective or the rendezvous (``train.dist_timeout_s``).
+    """
+    from datetime import timedelta
+
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -66,9 +86,9 @@ def setup(use_deepspeed: bool) -> DistInfo:
         import deepspeed
 
         if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend=backend)
+            deepspeed.init_distributed(dist_backend=backend, **timeout)
     elif world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, device=device)
 

@@ -119,6 +119,9 @@ class TrainSection(_Section):
     bf16: bool = False
     deepspeed: str | None = None  # a DeepSpeed JSON config (paths are relative to the recipe file, then cwd)
     group_by_chunks: bool = True  # every rank runs the same number of chunks per step
+    # Longest wait for another rank in a collective (and at start-up): past it, a rank whose peer died
+    # stops with an error naming the cause instead of hanging (torch's default is 30 minutes).
+    dist_timeout_s: int = Field(600, ge=10)
     liger: LigerSection = Field(default_factory=LigerSection)
     refill_loss: RefillLossSection = Field(default_factory=RefillLossSection)
 

@@ -19,6 +19,7 @@ import json
 import math
 from contextlib import nullcontext
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,11 +34,11 @@ from .batching import PLAN_COLUMNS, REFILL_INPUTS, Collator, epoch_batches, labe
 from ..measure import PeakMemory
 from .callbacks import StepLogger
 from .cost import step_flops
-from .distributed import DistInfo, setup, teardown
+from .distributed import DistInfo, PeerLost, peer_failure, setup, teardown
 from .liger import apply_liger
 from .model import LossModule, base_reference, build_model, load_base, load_trainable_state, save_base, trainable_state
 from .refill_loss import num_samples as refill_samples
-from .recipe import Recipe, RecipeError, check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
+from .recipe import Recipe, RecipeError, check_recipe, recipe_from_dict, deepspeed_expected, prepare_settings, resolve_accumulation
 
 
 @dataclass
@@ -52,11 +53,22 @@ class TrainResult:
 
 def train(recipe: Recipe, log=print) -> TrainResult:
     """Run ``recipe`` in this process (one rank of a launcher, or alone). Returns on every rank."""
-    info = setup(use_deepspeed=bool(recipe.train.deepspeed))
+    info = setup(use_deepspeed=bool(recipe.train.deepspeed), timeout_s=recipe.train.dist_timeout_s)
     try:
         return Trainer(recipe, info, log=log).run()
+    except Exception as exc:
+        if info.distributed and peer_failure(exc):
+            newest = ckpt.latest_checkpoint(recipe.run_dir) if recipe.run_dir.is_dir() else None
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise PeerLost(
+                f"rank {info.rank}: lost contact with the other ranks ({first}). A node died, was killed or became "
+                f"unreachable (a collective waits at most train.dist_timeout_s={recipe.train.dist_timeout_s} s). "
+                f"Last complete checkpoint: {newest or 'none'}; relaunch every node with "
+                "checkpoint.resume_from_checkpoint=latest") from exc
+        raise
     finally:
-        teardown()
+        if not (info.distributed and sys.exc_info()[0] is not None):
+            teardown()  # after a peer failure, destroying the group would wait on the dead peer
 
 
 def seed_everything(seed: int) -> None:
@@ -275,8 +287,12 @@ class Trainer:
         saved_file = checkpoint / "recipe.yaml"
         if not saved_file.is_file():
             return
-        applied, refused = ckpt.recipe_changes(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {},
-                                               self.recipe.model_dump(mode="json"))
+        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+        try:  # keys added to the recipe since that checkpoint take their defaults, not "changed from None"
+            saved = recipe_from_dict(saved).model_dump(mode="json")
+        except RecipeError:
+            pass
+        applied, refused = ckpt.recipe_changes(saved, self.recipe.model_dump(mode="json"))
         if refused:
             raise ckpt.CheckpointMismatch(
                 f"resuming {checkpoint} with a changed recipe; these settings cannot change mid-run (the saved "
