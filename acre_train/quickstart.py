@@ -71,11 +71,12 @@ def _export(run_dir: Path, export_dir: Path) -> None:
 
 def _answer(export_dir: Path, paragraphs: int) -> None:
     from .data.builtin import builtin_qa
-    from .infer.load import load_export, settings_from_export
+    from .infer.load import load_export
+    from .modeling.geometry import inference_settings
     from .infer import AcreEngine
 
     model, tokenizer, data = load_export(export_dir)
-    cache_settings, refill = settings_from_export(data, {"max_new_tokens": 16})
+    cache_settings, refill = inference_settings(data, {"max_new_tokens": 16})
     engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
     contexts, question, gold = _long_context(builtin_qa(), paragraphs)
 

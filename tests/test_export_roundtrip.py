@@ -256,7 +256,8 @@ def test_export_of_a_zero_run_reproduces_the_trained_model(stage, ranks, tmp_pat
         assert cli_main(["export", str(run), str(out), *extra]) == 0
         data = check_export_dir(out)
         assert data["acre"]["source"]["weights_from"] == "deepspeed-zero"
-        assert data["acre"]["inference"] == {"first_chunk": 64, "stride": 32, "interval": 16}
+        assert data["acre"]["inference"] == {"first_chunk": 64, "stride": 32, "interval": 16,
+                                             "working_window": 32768, "max_refill": 4096}
         loaded = AcreForCausalLM.from_pretrained(out)
         for got, want in zip(_logits(loaded), expected):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from .errors import DataError
-from .settings import PAPER_INTERVALS, Stage1Settings, Stage2Settings
+from .settings import PAPER_INTERVALS, Stage1Settings, Stage2Settings, WindowGeometry
 
 
 def _intervals(text: str) -> tuple[int, ...]:
@@ -32,10 +32,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="tiny",
                    help="tokenizer path or hub name, or 'tiny' (built-in test tokenizer) (default: %(default)s)")
     plan = p.add_argument_group("interleave plan (recorded in the manifest)")
-    plan.add_argument("--first-chunk", type=int, default=4096, metavar="W0", help="raw tokens in chunk 0 (default: %(default)s)")
-    plan.add_argument("--stride", type=int, default=2048, metavar="S", help="raw tokens per later chunk (default: %(default)s)")
+    paper = WindowGeometry()
+    plan.add_argument("--first-chunk", type=int, default=paper.first_chunk, metavar="W0", help="raw tokens in chunk 0 (default: %(default)s)")
+    plan.add_argument("--stride", type=int, default=paper.stride, metavar="S", help="raw tokens per later chunk (default: %(default)s)")
     plan.add_argument("--intervals", type=_intervals, default=PAPER_INTERVALS, metavar="L,L,...",
-                      help="L1 intervals drawn per chunk (default: 8,16,32,64,128)")
+                      help=f"L1 intervals drawn per chunk (default: {','.join(map(str, PAPER_INTERVALS))})")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--l1-token-id", type=int, default=None, help="id at L1 slots (default: the tokenizer's EOS)")
     run = p.add_argument_group("run")

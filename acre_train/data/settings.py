@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..modeling.geometry import PAPER_INTERVALS, WindowGeometry
 from .errors import DataError
 
-# Official recipe (DESIGN §1-2): 4K-64K token spans, W0 = 4096, S = 2048, l from {8..128}.
-PAPER_INTERVALS = (8, 16, 32, 64, 128)
+_PAPER = WindowGeometry()  # W0 = 4096, S = 2048, l from {8..128}: the one place these defaults live
 
 # Settings that do not change the output, so they stay out of the cache fingerprint.
 # ``strict`` stays in: it decides which records survive, so a lenient run's cache must not answer a strict one.
@@ -21,21 +22,23 @@ NON_OUTPUT_FIELDS = frozenset({"output", "num_proc", "overwrite", "cache_dir"})
 class PlanSettings:
     """Where the L1 tokens go (recorded in the manifest; the trainer and inference must agree)."""
 
-    first_chunk: int = 4096
-    stride: int = 2048
+    first_chunk: int = _PAPER.first_chunk
+    stride: int = _PAPER.stride
     intervals: tuple[int, ...] = PAPER_INTERVALS
     seed: int = 0
     l1_token_id: int | None = None  # None: the tokenizer's EOS id (DESIGN §4: no vocab change)
 
     def _check_plan(self) -> None:
-        self.intervals = tuple(int(v) for v in self.intervals)
-        if not self.intervals:
-            raise DataError("intervals must not be empty")
-        for name in ("first_chunk", "stride"):
-            if getattr(self, name) < 1:
-                raise DataError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if min(self.intervals) < 1:
-            raise DataError(f"intervals must all be >= 1, got {list(self.intervals)}")
+        self.intervals = tuple(int(v) for v in ([self.intervals] if isinstance(self.intervals, int) else self.intervals))
+        self.geometry  # noqa: B018  (validates)
+
+    @property
+    def geometry(self) -> WindowGeometry:
+        """The window geometry this plan trains with (what an export's inference defaults derive from)."""
+        try:
+            return WindowGeometry(first_chunk=self.first_chunk, stride=self.stride, intervals=self.intervals)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
 
 
 @dataclass
@@ -71,7 +74,11 @@ class _Common(PlanSettings):
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise DataError(f"unknown {cls.__name__} key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+            raise DataError(f"unknown {cls.__name__} key(s): {', '.join(hints)}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -113,18 +113,12 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
 
 
 def inference_defaults(prepare: dict[str, Any]) -> dict[str, Any]:
-    """Chunking the model was trained with; the interval is 16 when trained with it (DESIGN §1)."""
-    out: dict[str, Any] = {}
-    if "first_chunk" in prepare:
-        out["first_chunk"] = int(prepare["first_chunk"])
-    if "stride" in prepare:
-        out["stride"] = int(prepare["stride"])
-    intervals = prepare.get("intervals")
-    if isinstance(intervals, int):
-        intervals = [intervals]
-    if intervals:
-        out["interval"] = 16 if 16 in intervals else int(sorted(intervals)[len(intervals) // 2])
-    return out
+    """The inference geometry of the chunking the model was trained with (``data.prepare``): its W0 and
+    S, interval 16 when trained with it (DESIGN §1), the paper's W and eta."""
+    from ..modeling.geometry import WindowGeometry
+
+    keys = ("first_chunk", "stride", "intervals")
+    return WindowGeometry.from_mapping({k: prepare[k] for k in keys if k in prepare}).inference_dict()
 
 
 def load_tokenizer(spec: str | None, fallback: str | None) -> Any:

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..modeling.geometry import WindowGeometry
+
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -20,10 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the run's data.prepare.tokenizer, else the base model's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="dtype of the written weights (default: the base model's)")
-    for name, help_text in (("first-chunk", "W0"), ("stride", "S"), ("interval", "l"),
-                            ("working-window", "W"), ("max-refill", "eta")):
+    paper = WindowGeometry()
+    for name, symbol, default in (
+            ("first-chunk", "W0", "the run's data.prepare.first_chunk"), ("stride", "S", "the run's data.prepare.stride"),
+            ("interval", "l", "16 if the run drew it, else the middle of its intervals"),
+            ("working-window", "W", f"{paper.working_window}, the paper's"), ("max-refill", "eta", f"{paper.max_refill}, the paper's")):
         parser.add_argument(f"--{name}", type=int, default=None,
-                            help=f"default inference {help_text} stored in the export (default: the run's chunking; interval 16 when trained with it)")
+                            help=f"default inference {symbol} stored in the export (default: {default})")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing ACRE export in OUT_DIR")
 
 
@@ -44,10 +49,8 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer_spec, loaded.base_pointer)
     if tokenizer is None:
         print("warning: no tokenizer found; the export holds none (pass --tokenizer)")
-    inference = dict(loaded.inference)
-    for key in ("first_chunk", "stride", "interval", "working_window", "max_refill"):
-        if getattr(args, key) is not None:
-            inference[key] = getattr(args, key)
+    overrides = {key: getattr(args, key) for key in ("first_chunk", "stride", "interval", "working_window", "max_refill")}
+    inference = WindowGeometry.from_mapping(loaded.inference).with_overrides(overrides).inference_dict()
     source = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
               "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
     out = export_model(loaded.model, args.out_dir, tokenizer=tokenizer, adapter_only=args.adapter_only,

@@ -40,7 +40,8 @@ def make_engine(args: argparse.Namespace):
     """Load the export and build an ``AcreEngine`` with its settings and the command-line overrides."""
     import torch
 
-    from .load import load_for_inference, settings_from_export
+    from ..modeling.geometry import inference_settings
+    from .load import load_for_inference
     from .engine import AcreEngine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,7 +51,7 @@ def make_engine(args: argparse.Namespace):
         raise ValueError(f"{args.export} holds no tokenizer files; re-export with --tokenizer (or save one beside the base)")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
                                                 "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers")}
-    cache_settings, refill = settings_from_export(data, overrides)
+    cache_settings, refill = inference_settings(data, overrides)
     return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
 
 

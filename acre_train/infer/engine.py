@@ -37,6 +37,7 @@ class Answer:
     k: int
     num_l1: int
     cache_length: int  # refilled cache length P (L1 entries + refilled raw tokens)
+    open_chunk: int = 0  # tokens after the refilled cache before decoding: raw tail + question + their L1 tokens
     timings: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -167,7 +168,8 @@ class AcreEngine:
         timings["decode_s"] = time.perf_counter() - tic
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return Answer(token_ids=tokens, text=text, first_logits=first_logits, scores=scores,
-                      selected=selected.tolist(), k=k, num_l1=m, cache_length=refilled.length, timings=timings)
+                      selected=selected.tolist(), k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
+                      timings=timings)
 
     def scores(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int] = (-1,)) -> torch.Tensor:
         """Relevance of every L1 entry for the question in ``plan`` (tail + question, interleaved).

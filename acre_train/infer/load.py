@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from .settings import CacheSettings, RefillSettings
 
 
 class NotAnAcreExport(ValueError):
@@ -83,15 +82,3 @@ def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", 
 
         tokenizer = auto_tokenizer(str(path))
     return model, tokenizer, {"acre": {"inference": {}}}
-
-
-def settings_from_export(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> tuple[CacheSettings, RefillSettings]:
-    """Inference settings: the export's stored defaults, then command-line ``overrides`` (None = keep)."""
-    stored = dict((data.get("acre") or {}).get("inference") or {})
-    values = {**stored, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    cache = CacheSettings(**{k: int(values[k]) for k in ("first_chunk", "stride", "interval") if k in values})
-    refill_keys = ("working_window", "max_refill", "max_new_tokens", "temperature", "top_p", "seed")
-    refill: dict[str, Any] = {k: values[k] for k in refill_keys if k in values}
-    if "scoring_layers" in values:
-        refill["scoring_layers"] = tuple(int(x) for x in values["scoring_layers"])
-    return cache, RefillSettings(**refill)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-# DESIGN.md §1/§2 defaults (official recipe): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
-DEFAULT_FIRST_CHUNK = 4096
-DEFAULT_STRIDE = 2048
-DEFAULT_INTERVAL = 16
-DEFAULT_WORKING_WINDOW = 32768
-DEFAULT_MAX_REFILL = 4096
+from ..modeling.geometry import WindowGeometry
+
+# The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
+_PAPER = WindowGeometry()
+DEFAULT_FIRST_CHUNK = _PAPER.first_chunk
+DEFAULT_STRIDE = _PAPER.stride
+DEFAULT_INTERVAL = _PAPER.interval
+DEFAULT_WORKING_WINDOW = _PAPER.working_window
+DEFAULT_MAX_REFILL = _PAPER.max_refill
 
 
 @dataclass(frozen=True)

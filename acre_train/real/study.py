@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..modeling.geometry import WindowGeometry
 from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
@@ -55,8 +56,8 @@ class RealConfig:
     # question before the 7-digit number ("The special magic number for ... is 8..."), which 16 tokens cut.
     max_new_tokens: dict[str, int] = field(default_factory=lambda: {"squad": 16, "niah_multikey": 48})
     cachefocus: str = "cachefocus"  # the paper's n=4 pruning interval (smoke: n=1 on a 2-layer model)
-    inference: dict[str, int] = field(default_factory=lambda: {
-        "first_chunk": 1024, "stride": 512, "interval": 32, "working_window": 32768, "max_refill": 192})
+    inference: WindowGeometry = field(default_factory=lambda: WindowGeometry(
+        first_chunk=1024, stride=512, intervals=(32,), working_window=32768, max_refill=192))
     stage2_conversations: int = 96
     stage2_lengths: tuple[int, ...] = (1024, 1536, 2048, 2560)
     base: str = BASE
@@ -72,8 +73,8 @@ class RealConfig:
     @classmethod
     def smoke(cls, base: str) -> "RealConfig":
         return cls(lengths=(300,), tasks=("squad", "niah_multikey"), questions=2, questions_per_context=2,
-                   max_new_tokens={"squad": 3, "niah_multikey": 3}, cachefocus="cachefocus:n=1", inference={"first_chunk": 64, "stride": 32, "interval": 8,
-                                                "working_window": 4096, "max_refill": 32},
+                   max_new_tokens={"squad": 3, "niah_multikey": 3}, cachefocus="cachefocus:n=1",
+                   inference=WindowGeometry(first_chunk=64, stride=32, intervals=(8,), working_window=4096, max_refill=32),
                    stage2_conversations=4, stage2_lengths=(200,), base=base,
                    overrides=(f"model.source={base}", f"data.prepare.tokenizer={base}", "train.max_steps=1",
                               "checkpoint.every_steps=1", "data.prepare.first_chunk=64", "data.prepare.stride=32",
@@ -211,7 +212,7 @@ class RealStudy:
                 loaded = load_checkpoint_model(str(self.run_dir(model)))
                 acre, source = loaded.model, {"checkpoint": str(loaded.checkpoint), "step": loaded.meta.get("step")}
             export_model(acre, out, tokenizer=tok, adapter_only=True, base_model=base,
-                         inference=dict(self.config.inference), source=source)
+                         inference=self.config.inference.inference_dict(), source=source)
             self.log(f"export: {model} -> {out}")
             del acre
 

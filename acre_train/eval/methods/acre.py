@@ -26,7 +26,6 @@ import torch
 from ..prompt import PreparedExample
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
 
-PAPER_DEFAULTS = {"first_chunk": 4096, "stride": 2048, "interval": 16, "working_window": 32768, "max_refill": 4096}
 
 
 @dataclass
@@ -48,27 +47,29 @@ class Acre(EvalMethod):
         if self.max_refill < -1:
             raise ValueError(f"max_refill must be >= 0 (-1: the export's default), got {self.max_refill}")
 
+    def overrides(self) -> dict[str, int]:
+        """This row's options that replace the export's stored geometry."""
+        mine = {key: getattr(self, key) for key in ("first_chunk", "stride", "interval", "working_window")
+                if getattr(self, key) > 0}
+        if self.max_refill >= 0:
+            mine["max_refill"] = self.max_refill
+        return mine
+
     def settings(self, model) -> dict[str, int]:
         """The effective settings: this row's options over the export's over the paper's."""
-        acre = getattr(model.config, "acre", None) or {}
-        stored = acre.get("inference", {}) if isinstance(acre, dict) else {}
-        merged = {**PAPER_DEFAULTS, **{k: int(v) for k, v in stored.items() if k in PAPER_DEFAULTS}}
-        for key in ("first_chunk", "stride", "interval", "working_window"):
-            if getattr(self, key) > 0:
-                merged[key] = getattr(self, key)
-        if self.max_refill >= 0:
-            merged["max_refill"] = self.max_refill
-        return merged
+        from ...modeling.geometry import export_geometry
+
+        return export_geometry(model.config).with_overrides(self.overrides()).inference_dict()
 
     def prepare(self, model, tokenizer, example: PreparedExample) -> Any:
-        from ...infer import AcreEngine, CacheSettings, RefillSettings
+        from ...infer import AcreEngine
         from ...modeling import is_acre_model
+        from ...modeling.geometry import inference_settings
 
         if not is_acre_model(model):
             raise ValueError(f"method {self.name!r} needs an ACRE model (an 'acre-train export' folder)")
-        s = self.settings(model)
-        engine = AcreEngine(model, tokenizer, cache_settings=CacheSettings(s["first_chunk"], s["stride"], s["interval"]),
-                            refill=RefillSettings(working_window=s["working_window"], max_refill=s["max_refill"]))
+        cache_settings, refill = inference_settings(model.config, self.overrides())
+        engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
 
@@ -78,9 +79,7 @@ class Acre(EvalMethod):
         # Exactly the harness's stop set, as for every other row (the engine would add its own EOS ids).
         ans = engine.answer(cache, list(example.suffix_ids), max_new_tokens=generation.max_new_tokens,
                             stop_token_ids=tuple(sorted(generation.stop_ids)), stop_at_eos=False)
-        interval = engine.cache_settings.interval
-        open_chunk = len(cache.tail_ids) + len(example.suffix_ids)
-        open_chunk += (open_chunk + cache.carry) // interval  # the open chunk's own L1 tokens
+        open_chunk = ans.open_chunk  # raw tail + question + their L1 tokens
         t = ans.timings
         cost = CostRecord(
             tokens_prefilled=len(example) + cache.num_l1,

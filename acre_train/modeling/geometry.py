@@ -1,0 +1,131 @@
+"""The window geometry, one type from data preparation to inference (DESIGN.md §1-§5).
+
+Training interleaves L1 tokens into chunks (``first_chunk`` W0, then ``stride`` S raw tokens each)
+every ``l`` raw tokens, ``l`` drawn per chunk from ``intervals``; inference chunks a context the same
+way with one interval and lets a question refill at most ``max_refill`` (eta) raw tokens inside a
+working window of ``working_window`` (W) tokens. A data manifest records the training part, a
+recipe's ``data.prepare`` sets it, an export stores the inference part under ``config.acre.inference``,
+and :func:`inference_settings` turns that (plus command-line overrides) into what the engine runs.
+
+>>> g = WindowGeometry(first_chunk=1024, stride=512, intervals=(8, 16, 32))
+>>> g.interval, g.inference_dict()["working_window"]
+(16, 32768)
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from ..infer.settings import CacheSettings, RefillSettings
+
+# The official recipe: W0 = 4096, S = 2048, l from {8, ..., 128} in training and 16 at inference,
+# W = 32K, eta = 4096.
+PAPER_INTERVALS = (8, 16, 32, 64, 128)
+INFERENCE_INTERVAL = 16
+INFERENCE_KEYS = ("first_chunk", "stride", "interval", "working_window", "max_refill")
+
+
+@dataclass(frozen=True)
+class WindowGeometry:
+    """Chunking, L1 intervals and refill budget (paper defaults). ``interval``: the one inference uses."""
+
+    first_chunk: int = 4096
+    stride: int = 2048
+    intervals: tuple[int, ...] = PAPER_INTERVALS
+    working_window: int = 32768
+    max_refill: int = 4096
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "intervals", tuple(int(v) for v in self.intervals))
+        if not self.intervals or min(self.intervals) < 1:
+            raise ValueError(f"intervals must be one or more integers >= 1, got {list(self.intervals)}")
+        for name in ("first_chunk", "stride", "working_window"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_refill < 0:
+            raise ValueError(f"max_refill must be >= 0, got {self.max_refill}")
+
+    @property
+    def interval(self) -> int:
+        """The inference interval: 16 when training drew it (the paper's), else the middle one."""
+        if INFERENCE_INTERVAL in self.intervals:
+            return INFERENCE_INTERVAL
+        ordered = sorted(self.intervals)
+        return ordered[len(ordered) // 2]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> "WindowGeometry":
+        """From a manifest / recipe / export section; ``interval`` (one) stands for ``intervals``.
+
+        Keys named in ``ignore`` are skipped (the other settings of a section); any other unknown key
+        is an error with a suggestion.
+        """
+        known = {f.name for f in fields(cls)} | {"interval"}
+        picked: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in ignore or value is None:
+                continue
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
+                raise ValueError(f"unknown window setting {key!r}{hint}")
+            picked[key] = value
+        if "interval" in picked:
+            one = picked.pop("interval")
+            picked.setdefault("intervals", (one,))
+        if isinstance(picked.get("intervals"), int):
+            picked["intervals"] = (picked["intervals"],)
+        return cls(**{k: (tuple(v) if k == "intervals" else int(v)) for k, v in picked.items()})
+
+    def inference_dict(self) -> dict[str, int]:
+        """What an export stores under ``config.acre.inference``."""
+        return {"first_chunk": self.first_chunk, "stride": self.stride, "interval": self.interval,
+                "working_window": self.working_window, "max_refill": self.max_refill}
+
+    def training_dict(self) -> dict[str, Any]:
+        return {"first_chunk": self.first_chunk, "stride": self.stride, "intervals": list(self.intervals)}
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> "WindowGeometry":
+        """This geometry with the given inference keys replaced (None values are ignored)."""
+        changes = {k: v for k, v in (overrides or {}).items() if k in INFERENCE_KEYS and v is not None}
+        if "interval" in changes:
+            changes["intervals"] = (int(changes.pop("interval")),)
+        return replace(self, **{k: (v if k == "intervals" else int(v)) for k, v in changes.items()})
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["intervals"] = list(self.intervals)
+        return out
+
+
+def export_geometry(config: Mapping[str, Any] | Any) -> WindowGeometry:
+    """The geometry an export stores (``config.acre.inference``); the paper's for what it lacks."""
+    acre = config.get("acre") if isinstance(config, Mapping) else getattr(config, "acre", None)
+    stored = dict(((acre or {}).get("inference") or {}) if isinstance(acre, Mapping) else {})
+    return WindowGeometry.from_mapping({k: v for k, v in stored.items() if k in INFERENCE_KEYS})
+
+
+def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None
+                       ) -> tuple["CacheSettings", "RefillSettings"]:
+    """The engine's settings: the export's stored geometry, then ``overrides`` (None = keep).
+
+    ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
+    carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``scoring_layers``).
+
+    >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
+    >>> cache.first_chunk, cache.interval, refill.max_refill
+    (64, 8, 0)
+    """
+    from ..infer.settings import CacheSettings, RefillSettings
+
+    geometry = export_geometry(config).with_overrides(overrides)
+    cache = CacheSettings(first_chunk=geometry.first_chunk, stride=geometry.stride, interval=geometry.interval)
+    extra = {k: v for k, v in (overrides or {}).items()
+             if k in ("max_new_tokens", "temperature", "top_p", "seed") and v is not None}
+    layers = (overrides or {}).get("scoring_layers")
+    if layers is not None:
+        extra["scoring_layers"] = tuple(int(x) for x in layers)
+    return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill, **extra)
