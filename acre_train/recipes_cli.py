@@ -10,15 +10,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-EPILOG = """examples:
-  acre-train recipes ls
-  acre-train recipes cp qwen2.5-0.5b/stage1 my_stage1.yaml     # then edit and: acre-train train my_stage1.yaml
-  acre-train recipes cp deepspeed/zero2.json .
-"""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = parser.add_subparsers(dest="action", metavar="<action>", required=True)
     sub.add_parser("ls", help="list the packaged recipes and configs")

