@@ -23,6 +23,8 @@ from acre_train.modeling import acre_forward, acre_parameters, attach_acre, inte
 from acre_train.modeling.batch import pad_batch
 from acre_train.tiny import tiny_model
 
+from helpers import perturbed_acre_model as _model, random_ids as _ids
+
 ATOL = 1e-5
 
 
@@ -32,17 +34,8 @@ BIG = RefillSettings(working_window=10**6, max_refill=10**6, max_new_tokens=4)
 
 # ----------------------------------------------------------------------------- helpers / references
 
-def _model(arch: str = "qwen2", seed: int = 0, **kw):
-    model = attach_acre(tiny_model(arch, seed=seed, **kw))
-    torch.manual_seed(seed + 1)
-    with torch.no_grad():  # L1 weights must differ from the base so a mix-up cannot pass
-        for _, p in acre_parameters(model):
-            p.add_(0.05 * torch.randn_like(p))
-    return model
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _rope(x: torch.Tensor, positions, theta: float) -> torch.Tensor:

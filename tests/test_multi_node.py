@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import SMALL_DATA
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/tiny_stage1.yaml"
-SMALL_DATA = ["data.prepare.token_budget=14000", "data.prepare.min_length=96", "data.prepare.max_length=160",
-              "data.prepare.first_chunk=32", "data.prepare.stride=16", "data.prepare.intervals=[4, 8]"]
 STEPS = 3
 
 pytestmark = pytest.mark.slow

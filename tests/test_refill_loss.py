@@ -11,6 +11,8 @@ from acre_train.infer import AcreEngine, CacheSettings
 from acre_train.modeling import acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
 from acre_train.tiny import tiny_model
+
+from helpers import perturbed_acre_model as _model, random_ids as _ids
 from acre_train.train.batching import PLAN_COLUMNS, Collator
 from acre_train.train.model import LossModule
 from acre_train.train.refill_loss import QueryKeyCapture, refill_masks, sample_scores
@@ -18,17 +20,8 @@ from acre_train.train.refill_loss import QueryKeyCapture, refill_masks, sample_s
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _model(arch: str = "qwen2", seed: int = 0):
-    model = attach_acre(tiny_model(arch, seed=seed))
-    torch.manual_seed(seed + 1)
-    with torch.no_grad():  # L1 weights differ from the base so that a mix-up cannot pass
-        for _, p in acre_parameters(model):
-            p.add_(0.05 * torch.randn_like(p))
-    return model
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _row(ctx, question, answer, evidence, first_chunk=16, stride=16, interval=4):

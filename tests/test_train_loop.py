@@ -19,11 +19,10 @@ from acre_train.train.distributed import setup
 from acre_train.train.model import build_model
 from acre_train.train.trainer import Trainer
 
+from helpers import SMALL_DATA
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# A small slice of the built-in text: ~100 spans of 96-160 tokens, chunks of 32 then 16 tokens.
-SMALL_DATA = ["data.prepare.token_budget=14000", "data.prepare.min_length=96", "data.prepare.max_length=160",
-              "data.prepare.first_chunk=32", "data.prepare.stride=16", "data.prepare.intervals=[4, 8]"]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,11 @@ Task file format (one JSON object per line; bring your own)::
 
 Generators size the *context* (documents or haystack, without instruction and question) in tokens
 of the given tokenizer, and are seeded: the same arguments give the same file.
+
+Public task API (what the studies and training-data builders use; everything else is private):
+:class:`Example`, :func:`build_task`, :func:`resolve_tasks`, :func:`load_jsonl`, :func:`save_jsonl`,
+:func:`load_squad`, :func:`needle_question`, :func:`filler_sentences`, :data:`WORDS`,
+:data:`NEEDLE_INSTRUCTION`. Where an answer's evidence lies: ``eval.prompt.evidence_char_ranges``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any, Iterable
 
 _METRICS = {"qa_f1", "exact_match", "substring", "rouge_l"}
 _MODES = {"any", "all", "fraction"}
+__all__ = ["Example", "build_task", "resolve_tasks", "load_jsonl", "save_jsonl", "load_squad", "needle_question",
+           "filler_sentences", "WORDS", "NEEDLE_INSTRUCTION"]
 
 
 @dataclass
@@ -187,7 +194,7 @@ def squad_qa(tokenizer, context_tokens: int, num_examples: int, seed: int = 0, p
 # RULER-style needles over real filler text (the Python Language Reference shipped with CPython)
 # ---------------------------------------------------------------------------------------------
 
-_WORDS = (
+WORDS = (  # the key vocabulary of needle tasks ("eager-yonder")
     "amber brisk cedar dusty eager fabled gentle hollow ivory jolly keen lunar mellow nimble opal "
     "placid quiet rustic silver tidy umber vivid wistful young zesty anchor beacon canyon delta ember "
     "falcon glacier harbor island jungle kettle lantern meadow nectar orchard pebble quarry river "
@@ -205,7 +212,8 @@ def needle_question(key: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _filler_sentences() -> list[str]:
+def filler_sentences() -> list[str]:
+    """Sentences of the haystack text (the Python Language Reference shipped with CPython)."""
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in sorted(topics))
@@ -251,14 +259,14 @@ def _join_pieces(pieces: list[tuple[str, bool]]) -> tuple[str, list[list[int]]]:
 
 
 def _key(rng: random.Random) -> str:
-    return f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}"
+    return f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
 
 
 def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: int, seed: int,
                      num_needles: int = 4, num_hops: int = 4, questions_per_context: int = 1) -> list[Example]:
     rng = random.Random(f"{kind}-{seed}")
     count = _TokenCounter(tokenizer)
-    sentences = _filler_sentences()
+    sentences = filler_sentences()
     instruction = NEEDLE_INSTRUCTION
     out: list[Example] = []
     n = 0

@@ -61,7 +61,7 @@ def tokenizer_corpus(seed: int = SEEDS["tokenizer"]) -> list[str]:
     """Text the tokenizer is trained on: the built-in Python reference, SQuAD paragraphs and
     questions, and synthetic needle/variable lines of the retrieval streams."""
     from ..data.builtin import builtin_text
-    from ..eval.tasks import _WORDS, load_squad
+    from ..eval.tasks import WORDS, load_squad
 
     texts = [r["text"] for r in builtin_text()]
     squad = load_squad(None)  # the packaged sample (the product never reads a machine's data layout)
@@ -72,7 +72,7 @@ def tokenizer_corpus(seed: int = SEEDS["tokenizer"]) -> list[str]:
     rng = random.Random(seed)
     lines = []
     for _ in range(3000):
-        key = f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}"
+        key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
         name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
         lines.append(f"One of the special magic numbers for {key} is: {rng.randint(10**6, 10**7 - 1)}. "
                      f"VAR {name} = VAR {name[::-1]}. What is the special magic number for {key} mentioned "
@@ -190,10 +190,10 @@ def drill_conversation(rng: random.Random, facts: int, filler: float = 0.0) -> l
     each, with probability ``filler``, one sentence of reference text), then one harness-format
     question per key in random order, each answered by the assistant (the loss sees only the answers).
     """
-    from ..eval.tasks import NEEDLE_INSTRUCTION, _WORDS, _filler_sentences, needle_question
+    from ..eval.tasks import NEEDLE_INSTRUCTION, WORDS, filler_sentences, needle_question
 
-    sentences = _filler_sentences()
-    keys = list(dict.fromkeys(f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}" for _ in range(3 * facts)))[:facts]
+    sentences = filler_sentences()
+    keys = list(dict.fromkeys(f"{rng.choice(WORDS)}-{rng.choice(WORDS)}" for _ in range(3 * facts)))[:facts]
     values = [str(rng.randint(10**6, 10**7 - 1)) for _ in keys]
     parts = []
     for k, v in zip(keys, values):
