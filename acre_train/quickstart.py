@@ -9,6 +9,11 @@
 Each step prints what it did and what it cost. The base model has random weights (nothing can be
 downloaded here), so the answer itself is noise: the quickstart shows the mechanics and their cost.
 Everything lands in ``--output`` (default ``checkpoints/quickstart``).
+
+``--real`` answers for real instead, with no training: the pretrained Qwen2.5-Coder-0.5B-Instruct
+(``acre-train base fetch qwen2.5-coder-0.5b-instruct``) plus the stage-1 LoRA L1 adapter that ships
+with acre-train (trained in docs/real-base.md), on SQuAD questions over a ~2K-token context built
+from articles that adapter never saw; ``full`` attention answers the same questions beside it.
 """
 
 from __future__ import annotations
@@ -25,9 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per training stage (default 20)")
     parser.add_argument("--context-paragraphs", type=int, default=40,
                         help="built-in SQuAD paragraphs joined into the long context (default 40)")
+    parser.add_argument("--real", action="store_true",
+                        help="answer for real: the fetched 0.5B base + the shipped stage-1 adapter, held-out SQuAD "
+                             "questions over ~2K tokens, no training (needs 'acre-train base fetch "
+                             "qwen2.5-coder-0.5b-instruct' once)")
+    parser.add_argument("--questions", type=int, default=4, help="--real: questions asked on the one context (default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.real:
+        from .cli import user_errors
+
+        return user_errors(_real)(args)
     out = Path(args.output)
     timings: dict[str, float] = {}
     stage1 = _timed(timings, "stage 1", lambda: _train("tiny_stage1.yaml", out, "quickstart-stage1", args.steps))
@@ -97,3 +111,80 @@ def _long_context(qa: dict, paragraphs: int) -> tuple[list[str], str, str]:
     middle = flat[len(flat) // 2]
     qa_item = next(q for q in middle["qas"] if q.get("answers"))
     return [p["context"] for p in flat], qa_item["question"], qa_item["answers"][0]["text"]
+
+
+# ------------------------------------------------------------------------------------ --real
+
+REAL_BASE = "base:qwen2.5-coder-0.5b-instruct"
+SHIPPED_ADAPTER = "adapters/qwen2.5-0.5b-stage1-lora.safetensors"  # in acre_train/resources
+SHIPPED_RECIPE = RECIPES / "qwen2.5-0.5b" / "stage1.yaml"  # the L1 form (LoRA rank, alpha) it was trained in
+REAL_CONTEXT_TOKENS = 2048
+REAL_SEED = 777  # the study's evaluation seed: questions never used in training
+
+
+def shipped_adapter_export(out_dir: Path) -> Path:
+    """An adapter-only export of the shipped stage-1 adapter on the fetched base, with the study's
+    inference geometry (W0 1024, S 512, l 32, eta 192); made once, reused after."""
+    from importlib.resources import files
+
+    from .base.fetch import resolve_source
+    from .data.tokenizer import auto_tokenizer
+    from .export import export_model
+    from .export.checkpoint import model_from_adapter
+    from .real.study import RealConfig
+    from .train import load_recipe
+
+    try:
+        base = resolve_source(REAL_BASE)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FileNotFoundError(f"{exc}; fetch it once with: acre-train base fetch qwen2.5-coder-0.5b-instruct") from exc
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    recipe = load_recipe(SHIPPED_RECIPE, [])
+    weights = files("acre_train.resources").joinpath(SHIPPED_ADAPTER)
+    model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
+    return export_model(model, out_dir, tokenizer=auto_tokenizer(base), adapter_only=True, base_model=base,
+                        inference=RealConfig().inference.inference_dict(),
+                        source={"adapter": f"acre_train/resources/{SHIPPED_ADAPTER}", "stage": 1})
+
+
+def held_out_squad(out: Path) -> Path:
+    """The built-in SQuAD sample's odd-index articles (the study trains on even ones) as a SQuAD file."""
+    from importlib.resources import files
+
+    from .real.streams import split_articles, subset_squad
+
+    sample = Path(str(files("acre_train.resources").joinpath("squad_v2_sample.json")))
+    _, held = split_articles(sample)
+    return subset_squad(sample, held, out)
+
+
+def _real(args: argparse.Namespace) -> int:
+    import torch
+
+    from .eval.harness import EvalConfig, evaluate
+    from .eval.methods import parse_methods
+    from .eval.tasks import build_task
+    from .infer.load import load_export
+
+    out = Path(args.output)
+    timings: dict[str, float] = {}
+    export_dir = _timed(timings, "export the shipped adapter", lambda: shipped_adapter_export(out / "export-real"))
+    model, tokenizer, _ = load_export(export_dir, dtype=torch.float32)
+    squad = held_out_squad(out / "squad-heldout.json")
+    examples = build_task("squad", tokenizer, REAL_CONTEXT_TOKENS, args.questions, REAL_SEED, squad_path=squad,
+                          questions_per_context=args.questions)
+    report = _timed(timings, f"answer {len(examples)} questions (full vs acre)", lambda: evaluate(
+        model, tokenizer, examples, parse_methods("full,acre"), config=EvalConfig(16, progress=False),
+        out_dir=out / "eval-real"))
+    contexts = len({ex.meta.get("context_id", ex.id) for ex in examples})
+    print(f"\n{len(examples)} questions on {contexts} context(s) of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD")
+    for ex in examples:
+        rows = {r["method"]: r for r in report.rows if r["id"] == ex.id}
+        print(f"Q: {ex.question}   (gold: {ex.answers[0]})")
+        for method in ("full", "acre"):
+            r = rows[method]
+            print(f"   {method:5s} {r['prediction']!r:45s} F1 {100 * r['score']:5.1f}  KV attended {r['kv_attended'] / r['prompt_tokens']:5.1%}")
+    print("\n== done: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+    print(f"   export: {export_dir}   try: acre-train chat {export_dir} --context FILE")
+    return 0

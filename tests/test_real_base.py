@@ -28,3 +28,37 @@ def test_the_converted_base_answers_a_squad_question_through_generate(tmp_path):
                      "--max-new-tokens", "12"]) == 0
     answer = json.loads(out.read_text())["answer"]
     assert "France" in answer, answer
+
+
+CELLS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "real-base" / "cells"
+
+
+@pytest.mark.skipif(not (CELLS / "2048/niah_multikey/stage1/predictions.jsonl").is_file(),
+                    reason="the study's per-question rows are not in docs/real-base/cells")
+def test_the_shipped_adapter_reproduces_its_report_row_on_one_context(tmp_path):
+    """The shipped stage-1 adapter, exported by the quickstart, answers the first context of the report's
+    `acre, stage 1` row (2K niah_multikey, seed 777) as the study did."""
+    import torch
+
+    from acre_train.eval.harness import EvalConfig, evaluate
+    from acre_train.eval.methods import parse_methods
+    from acre_train.eval.tasks import build_task
+    from acre_train.infer.load import load_export
+    from acre_train.quickstart import shipped_adapter_export
+    from acre_train.real.study import RealConfig
+    from acre_train.real.streams import EVAL_SEED
+
+    config = RealConfig()
+    model, tok, _ = load_export(shipped_adapter_export(tmp_path / "export"), dtype=torch.float32)
+    examples = build_task("niah_multikey", tok, 2048, config.questions_per_context, EVAL_SEED,
+                          questions_per_context=config.questions_per_context)
+    report = evaluate(model, tok, examples, parse_methods("acre"),
+                      config=EvalConfig(config.max_new_tokens["niah_multikey"], progress=False))
+    recorded = {r["id"]: r for r in map(json.loads, (CELLS / "2048/niah_multikey/stage1/predictions.jsonl").open())
+                if r["method"] == "acre"}
+    ours = {r["id"]: r for r in report.rows}
+    assert set(ours) <= set(recorded)
+    same = sum(ours[i]["prediction"] == recorded[i]["prediction"] for i in ours)
+    assert same >= len(ours) - 1, [(ours[i]["prediction"], recorded[i]["prediction"]) for i in ours]
+    assert abs(sum(r["score"] for r in ours.values()) - sum(recorded[i]["score"] for i in ours)) <= 1.0
+    assert all(ours[i]["kv_attended"] == recorded[i]["kv_attended"] for i in ours)

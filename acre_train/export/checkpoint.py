@@ -46,6 +46,21 @@ def consolidate_zero(ds_dir: Path, tag: str | None = None) -> dict[str, torch.Te
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, exclude_frozen_parameters=True))
 
 
+def model_from_adapter(base: str, weights: str | Path, *, l1: str = "full", lora: dict | None = None,
+                       dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """An ACRE model from a base and a file of L1 weights (an export's ``acre_adapter.safetensors``, a
+    shipped adapter), with the L1 form (full copies or LoRA with ``lora`` settings) they were trained in."""
+    from transformers import AutoModelForCausalLM
+
+    from ..base.fetch import resolve_source
+    from ..files import read_safetensors
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_source(base), **({"dtype": dtype} if dtype else {}))
+    attach_from_section(model, {"l1": l1, "lora": lora})
+    load_acre_state_dict(model, read_safetensors(weights))
+    return model.eval()
+
+
 def match_acre_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """Map consolidated names onto the model's L1 parameter names.
 

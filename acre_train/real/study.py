@@ -224,19 +224,12 @@ class RealStudy:
 
     def _from_adapter(self, model: str, base: str):
         """The ACRE model of a kept L1 weight file, with the L1 form (LoRA rank...) its recipe names."""
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-
-        from ..modeling import attach_acre
-        from ..modeling.adapter import load_acre_state_dict
+        from ..export.checkpoint import model_from_adapter
         from ..train.recipe import load_recipe
 
         recipe = load_recipe(Path(self.config.recipes) / f"{model}.yaml", [])
-        lora = recipe.model.lora.model_dump() if recipe.model.l1 == "lora" else None
-        acre = attach_acre(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), lora=lora)
         path = self.config.adapters[model]
-        load_acre_state_dict(acre, load_file(path))
+        acre = model_from_adapter(base, path, l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
         return acre, {"adapter": str(path)}
 
     def eval_cells(self) -> list[tuple[int, str, str]]:
