@@ -100,8 +100,15 @@ class BiLayerCache:
         meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
                 "carry": self.carry, "num_context_tokens": self.num_context_tokens,
                 "context_digest": self.context_digest, "checksum": tensors_digest(tensors)}
+        from ..files import disk_errors
+
         tmp = path.with_name(f".{path.name}.partial")
-        save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
+        try:
+            with disk_errors(f"the cache {path}"):
+                save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)  # a half-written cache never carries the final name
         return path
 
