@@ -140,3 +140,21 @@ def prefix_pass(parts: engine.ModelParts, example: PreparedExample) -> engine.Pa
     dev, p = parts.device, len(example.prefix_ids)
     return engine.layer_pass(parts, tensor(example.prefix_ids, dev), segment_positions(0, p, dev),
                              owners(engine.PREFIX_OWNER, p, dev), None)
+
+
+def encode_documents(parts: engine.ModelParts, example: PreparedExample, *, after_prefix: bool
+                     ) -> tuple[engine.KVStore, list[engine.KVStore], int]:
+    """The prefix once, then every document on its own: ``(prefix store, per-document stores, token-layers)``.
+
+    ``after_prefix``: each document sits right after the prefix and attends to it (CacheFocus);
+    otherwise it is encoded alone at local positions ``0..n-1`` (InfoFlow's chunk-wise prefill).
+    """
+    dev, p = parts.device, len(example.prefix_ids)
+    pre = prefix_pass(parts, example)
+    docs, token_layers = [], pre.token_layers
+    for d, ids in enumerate(example.doc_ids):
+        res = engine.layer_pass(parts, tensor(ids, dev), segment_positions(p if after_prefix else 0, len(ids), dev),
+                                owners(d, len(ids), dev), pre.store if after_prefix else None)
+        docs.append([layer.take(layer.owners == d) for layer in res.store])
+        token_layers += res.token_layers
+    return pre.store, docs, token_layers

@@ -27,7 +27,7 @@ import torch
 from .. import engine
 from ...measure import Timer
 from ..prompt import PreparedExample
-from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, finish_from_store, owners, prefix_pass,
+from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, encode_documents, finish_from_store, owners,
                    segment_positions, store_cost, tensor)
 
 
@@ -64,15 +64,8 @@ class CacheFocusTrace:
 @torch.no_grad()
 def cachefocus_prepare(parts: engine.ModelParts, example: PreparedExample) -> CacheFocusState:
     """Prefix once, then every document after the prefix, independently."""
-    dev, p = parts.device, len(example.prefix_ids)
-    pre = prefix_pass(parts, example)
-    docs, token_layers = [], pre.token_layers
-    for d, ids in enumerate(example.doc_ids):
-        res = engine.layer_pass(parts, tensor(ids, dev), segment_positions(p, len(ids), dev),
-                                owners(d, len(ids), dev), pre.store)
-        docs.append([layer.take(layer.owners == d) for layer in res.store])
-        token_layers += res.token_layers
-    return CacheFocusState(pre.store, docs, p + example.context_len, token_layers)
+    prefix, docs, token_layers = encode_documents(parts, example, after_prefix=True)
+    return CacheFocusState(prefix, docs, len(example.prefix_ids) + example.context_len, token_layers)
 
 
 def _layout(parts: engine.ModelParts, state: CacheFocusState, order: list[int]) -> tuple[engine.KVStore, int]:

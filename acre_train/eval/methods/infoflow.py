@@ -32,7 +32,7 @@ import torch
 from .. import engine
 from ...measure import Timer
 from ..prompt import PreparedExample
-from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, finish_from_store, owners, prefix_pass,
+from .base import (CostRecord, EvalMethod, GenerationConfig, MethodResult, encode_documents, finish_from_store, owners,
                    segment_positions, store_cost, tensor)
 
 SELECTORS = ("attention", "none", "cacheblend", "epic")
@@ -63,15 +63,8 @@ class ChunkState:
 @torch.no_grad()
 def chunkwise_prepare(parts: engine.ModelParts, example: PreparedExample) -> ChunkState:
     """Prefix at its positions; every chunk alone at chunk-local positions."""
-    dev, p = parts.device, len(example.prefix_ids)
-    pre = prefix_pass(parts, example)
-    chunks, token_layers = [], pre.token_layers
-    for d, ids in enumerate(example.doc_ids):
-        res = engine.layer_pass(parts, tensor(ids, dev), segment_positions(0, len(ids), dev),
-                                owners(d, len(ids), dev), None)
-        chunks.append(res.store)
-        token_layers += res.token_layers
-    return ChunkState(pre.store, chunks, p + example.context_len, token_layers)
+    prefix, chunks, token_layers = encode_documents(parts, example, after_prefix=False)
+    return ChunkState(prefix, chunks, len(example.prefix_ids) + example.context_len, token_layers)
 
 
 def layout(parts: engine.ModelParts, state: ChunkState, order: list[int]) -> tuple[engine.KVStore, int]:
