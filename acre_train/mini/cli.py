@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default: checkpoints/mini, or checkpoints/mini-smoke with --smoke)")
     parser.add_argument("--steps", default=None,
                         help="comma-separated subset of the study's steps (default: all; finished ones are skipped). "
-                             "real: streams,stage1,stage2,stage2-refill,export,eval,report; mini: tokenizer,streams,base,base2,"
+                             "real: streams,stage1,stage2,stage2-refill,stage2-refill-light,export,eval,report; mini: tokenizer,streams,base,base2,"
                              "export-base,stage1,stage2,vanilla-sft,eval,report")
     parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist (old outputs are kept as "
                              "<name>.replaced-<time>; any later step named re-runs too)")
@@ -56,14 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_real(args: argparse.Namespace) -> int:
     from ..cli import user_errors
-    from ..real.study import STEPS, RealConfig, RealStudy
+    from ..real.study import RUNS, STEPS, RealConfig, RealStudy
 
     def go(args: argparse.Namespace) -> int:
         config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
         for pair in args.adapter:
             model, sep, path = pair.partition("=")
-            if not sep or model not in ("stage1", "stage2", "stage2-refill"):
-                raise ValueError(f"--adapter {pair!r}: expected stage1=FILE, stage2=FILE or stage2-refill=FILE")
+            if not sep or model not in RUNS:
+                raise ValueError(f"--adapter {pair!r}: expected MODEL=FILE with MODEL one of {', '.join(RUNS)}")
             if not Path(path).is_file():
                 raise FileNotFoundError(f"--adapter {pair!r}: no such file {path}")
             config.adapters[model] = path

@@ -17,6 +17,7 @@ ROW_NAMES = {  # (model group, method) -> the row's name in the report
     ("stage0", "acre-l1"): "acre-l1, stage 0 (untrained L1)", ("stage1", "acre"): "acre, stage 1",
     ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
     ("stage2-refill", "acre"): "acre, stage 1+2 refill-aware",
+    ("stage2-refill-light", "acre"): "acre, stage 1+2 refill-aware (weight 0.1)",
 }
 
 

@@ -5,7 +5,8 @@ Steps (each skipped when its output exists, so the command continues where it st
 * ``streams``  training inputs split from the evaluation by SQuAD article (``streams.py``);
 * ``stage1``, ``stage2``  ``acre-train train recipes/qwen2.5-0.5b/stageN.yaml`` with resume=latest;
 * ``stage2-refill``  stage 2 again from stage 1, same data and steps, plus the refill loss
-                     (``recipes/qwen2.5-0.5b/stage2-refill.yaml``, ``train/refill_loss.py``);
+                     (``recipes/qwen2.5-0.5b/stage2-refill.yaml``, ``train/refill_loss.py``, weight 1);
+* ``stage2-refill-light``  the same with the refill loss at weight 0.1;
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -30,9 +31,11 @@ from ..modeling.geometry import WindowGeometry
 from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
-STEPS = ("streams", "stage1", "stage2", "stage2-refill", "export", "eval", "report")
+STEPS = ("streams", "stage1", "stage2", "stage2-refill", "stage2-refill-light", "export", "eval", "report")
 RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora",
-        "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora"}
+        "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora", "stage2-refill-light": "qwen2.5-0.5b-stage2-refill0.1-lora"}
+# Training runs that are a recipe plus fixed overrides (the variant is the override).
+VARIANTS = {"stage2-refill-light": ("stage2-refill", ("train.refill_loss.weight=0.1",))}
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
 # Model groups of the evaluation, in the order they run, and the rows each answers.
 MODELS = {
@@ -41,6 +44,7 @@ MODELS = {
     "stage1": ("acre",),
     "stage2": ("acre", "acre-l1"),
     "stage2-refill": ("acre",),
+    "stage2-refill-light": ("acre",),
 }
 
 
@@ -152,18 +156,19 @@ class RealStudy:
     def _train(self, stage: str) -> None:
         from ..train.checkpoint import latest_checkpoint, read_meta
 
-        recipe = Path(self.config.recipes) / f"{stage}.yaml"
+        base_stage, variant = VARIANTS.get(stage, (stage, ()))
+        recipe = Path(self.config.recipes) / f"{base_stage}.yaml"
         run = self.run_dir(stage)
         newest = latest_checkpoint(run) if run.is_dir() else None
         target = self._max_steps(recipe)
         if newest is not None and read_meta(newest).get("step") == target:
             self.log(f"{stage}: finished ({newest}); skipped")
             return
-        data = {"stage1": "text-mix.jsonl", "stage2": "stage2.jsonl", "stage2-refill": "stage2.jsonl"}[stage]
+        data = "text-mix.jsonl" if stage == "stage1" else "stage2.jsonl"
         args = [sys.executable, "-m", "acre_train.cli", "train", str(recipe), f"output_root={run.parent}",
                 f"run_name={run.name}", f"data.path={self.root / 'data' / stage}",
                 f"data.prepare.inputs=[{self.streams / data}]", "checkpoint.resume_from_checkpoint=latest",
-                *self.config.overrides]
+                *variant, *self.config.overrides]
         if stage.startswith("stage2"):
             # Stage 1's run, or its export when the run is on another machine (kept L1 weights).
             start = self.run_dir("stage1") if self._has_checkpoint("stage1") else self.export_dir("stage1")
@@ -186,6 +191,9 @@ class RealStudy:
     def step_stage2_refill(self) -> None:
         self._train("stage2-refill")
 
+    def step_stage2_refill_light(self) -> None:
+        self._train("stage2-refill-light")
+
     def step_export(self) -> None:
         import torch
 
@@ -197,7 +205,7 @@ class RealStudy:
 
         base = resolve_source(self.config.base)
         tok = auto_tokenizer(base)
-        for model in ("stage0", "stage1", "stage2", "stage2-refill"):
+        for model in ("stage0", *RUNS):
             out = self.export_dir(model)
             if (out / "config.json").is_file():
                 continue
