@@ -134,10 +134,7 @@ def shipped_adapter_export(out_dir: Path) -> Path:
     from .real.study import RealConfig
     from .train import load_recipe
 
-    try:
-        base = resolve_source(REAL_BASE)
-    except (FileNotFoundError, ValueError) as exc:
-        raise FileNotFoundError(f"{exc}; fetch it once with: acre-train base fetch qwen2.5-coder-0.5b-instruct") from exc
+    base = resolve_source(REAL_BASE)  # not fetched: an error that names the fetch command
     if (out_dir / "config.json").is_file():
         return out_dir
     recipe = load_recipe(SHIPPED_RECIPE, [])
