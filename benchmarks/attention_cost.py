@@ -8,7 +8,12 @@ high-water mark). ACRE uses the official chunking (W0 = 4096, S = 2048) with int
     python benchmarks/attention_cost.py                 # 4K, 8K, 16K raw tokens
     python benchmarks/attention_cost.py --lengths 4096 --steps 1
     python benchmarks/attention_cost.py --model base:qwen2.5-coder-0.5b-instruct --lengths 2048,4096 \
-        --first-chunk 1024 --stride 512 --intervals 8,16,32 --threads 2 --steps 1   # the real base (minutes)
+        --first-chunk 1024 --stride 512 --intervals 8,16,32 --threads 2 --steps 1 --warmup 0 --compare-lm-head
+
+Both arms compute the loss through the same chunked LM head (``chunked_lm_loss``), so the columns
+compare attention, not heads. ``--compare-lm-head`` adds a third arm, ACRE with the one-shot head
+(full logits materialised, the code before the chunked head), to show what chunking saves.
+``--gradient-checkpointing`` turns it on in every arm (what a recipe does when memory needs it).
 
 Also reported: achieved GFLOP/s of each step (``acre_train.train.cost.step_flops``), to set against
 this machine's matmul peak (printed first, measured with a 2048^3 fp32 matmul).
@@ -22,6 +27,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SMALL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
 
@@ -49,11 +55,17 @@ def measure(method: str, length: int, args) -> dict:
     from acre_train.modeling.batch import pad_batch
     from acre_train.train.cost import step_flops
 
+    import acre_train.modeling.adapter as adapter
+
     torch.manual_seed(0)
     model = _model(args.model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method == "acre-oneshot-head":
+        adapter.LM_HEAD_ROWS = 1 << 40  # one slice: the whole [tokens, vocab] logits at once
     kernel, steps = args.kernel, args.steps
     raw = torch.randint(0, 1024, (length,))
-    if method == "acre":
+    if method.startswith("acre"):
         attach_acre(model)
         choices = [int(v) for v in args.intervals.split(",")]
         intervals = sample_intervals(num_chunks(length, args.first_chunk, args.stride), choices, seed=(0, 0))
@@ -67,10 +79,13 @@ def measure(method: str, length: int, args) -> dict:
         ids = raw[None]
         flops = step_flops(model, [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}],
                            trains_base=True)
-        step = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+        def step():
+            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+            return adapter.chunked_lm_loss(model.lm_head, hidden, ids[0, 1:]) / (length - 1)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step().backward()  # warm-up
-    model.zero_grad(set_to_none=True)
+    for _ in range(args.warmup):  # first-call costs (allocator, code paths); negligible next to a real base's step
+        step().backward()
+        model.zero_grad(set_to_none=True)
     times = []
     for _ in range(steps):  # best of N: on a shared machine the minimum is the least disturbed
         start = time.perf_counter()
@@ -101,8 +116,9 @@ def _timed(fn) -> float:
 
 
 def _child_args(args) -> list[str]:
-    out = ["--steps", str(args.steps), "--kernel", args.kernel, "--threads", str(args.threads),
+    out = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--kernel", args.kernel, "--threads", str(args.threads),
            "--first-chunk", str(args.first_chunk), "--stride", str(args.stride), "--intervals", args.intervals]
+    out += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -110,12 +126,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
     parser.add_argument("--kernel", default="chunked")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per measurement (1 is steadiest here)")
     parser.add_argument("--model", default=None, help="a base folder or base:NAME (default: a small random Qwen2)")
     parser.add_argument("--first-chunk", type=int, default=4096)
     parser.add_argument("--stride", type=int, default=2048)
     parser.add_argument("--intervals", default="8,16,32,64,128")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant, in every arm")
+    parser.add_argument("--compare-lm-head", action="store_true",
+                        help="add an ACRE arm with the one-shot LM head (full logits), the code before chunking")
+    parser.add_argument("--json", default=None, help="also write every arm's figures to this file")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -123,23 +144,51 @@ def main() -> None:
         return
 
     peak = matmul_peak_gflops(args.threads)
-    print(f"model: {args.model or f'qwen2 {SMALL}'}, fp32, {args.threads} thread(s), best of {args.steps} steps after a "
-          f"warm-up; ACRE kernel: {args.kernel}, W0={args.first_chunk} S={args.stride} l in {{{args.intervals}}}; "
+    print(f"model: {args.model or f'qwen2 {SMALL}'}, fp32, {args.threads} thread(s), best of {args.steps} steps after "
+          f"{args.warmup} warm-up; ACRE kernel: {args.kernel}, W0={args.first_chunk} S={args.stride} l in {{{args.intervals}}}; "
           f"matmul peak here: {peak:,.0f} GFLOP/s\n")
-    print(f"{'raw tokens':>10} | {'full tok/s':>10} {'ACRE tok/s':>10} {'speed x':>8} | {'full MB':>8} {'ACRE MB':>8} "
-          f"{'mem ratio':>9} | {'full GF/s':>9} {'ACRE GF/s':>9}")
+    arms = ("full", "acre", "acre-oneshot-head") if args.compare_lm_head else ("full", "acre")
+    print(f"{'raw tokens':>10} | {'full s':>7} {'ACRE s':>7} {'speed x':>7} | {'full MB':>8} {'ACRE MB':>8} "
+          f"{'mem ratio':>9} | {'full GF/s':>9} {'ACRE GF/s':>9}"
+          + (f" | {'1-shot head s':>13} {'MB':>7}" if args.compare_lm_head else ""))
+    rows = []
     for length in (int(v) for v in args.lengths.split(",")):
-        res = {}
-        for method in ("full", "acre"):
-            cmd = [sys.executable, __file__, *_child_args(args), "--_child", method, str(length)]
-            res[method] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-        f, a = res["full"], res["acre"]
-        print(f"{length:>10,} | {f['tokens_per_s']:>10,.0f} {a['tokens_per_s']:>10,.0f} {a['tokens_per_s'] / f['tokens_per_s']:>8.2f} | "
-              f"{f['extra_mb']:>8,.0f} {a['extra_mb']:>8,.0f} {a['extra_mb'] / f['extra_mb']:>9.2f} | "
-              f"{f['gflops_per_s']:>9,.0f} {a['gflops_per_s']:>9,.0f}")
+        res = {method: _run_arm(args, method, length) for method in arms}
+        rows.append({"raw_tokens": length, **res})
+        print(_row(length, res, args.compare_lm_head), flush=True)
+    print("\ns = seconds per fwd+bwd step; speed x = full s / ACRE s; MB = peak resident memory added by the "
+          "training step; mem ratio = ACRE / full" + ("; 1-shot head = ACRE with full logits (before chunking)"
+                                                      if args.compare_lm_head else "") + ".")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "matmul_peak_gflops": peak, "rows": rows}, indent=2))
 
-    print("\nspeed x = ACRE tokens/s / full tokens/s; MB = peak resident memory added by the training step; "
-          "mem ratio = ACRE / full.")
+
+def _run_arm(args, method: str, length: int) -> dict:
+    """One arm in a fresh process (its own peak RSS); a killed child (out of memory) is reported, not raised."""
+    cmd = [sys.executable, __file__, *_child_args(args), "--_child", method, str(length)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = "killed (out of memory?)" if proc.returncode < 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"error": why}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _row(length: int, res: dict, one_shot: bool) -> str:
+    f, a = res["full"], res["acre"]
+
+    def cell(r: dict, key: str, width: int, fmt: str = ",.1f") -> str:
+        return f"{'err':>{width}}" if "error" in r else f"{r[key]:>{width}{fmt}}"
+
+    both = "error" not in f and "error" not in a
+    line = (f"{length:>10,} | {cell(f, 'seconds', 7, '.2f')} {cell(a, 'seconds', 7, '.2f')} "
+            f"{(f['seconds'] / a['seconds'] if both else float('nan')):>7.2f} | {cell(f, 'extra_mb', 8, ',.0f')} "
+            f"{cell(a, 'extra_mb', 8, ',.0f')} {(a['extra_mb'] / f['extra_mb'] if both else float('nan')):>9.2f} | "
+            f"{cell(f, 'gflops_per_s', 9, ',.0f')} {cell(a, 'gflops_per_s', 9, ',.0f')}")
+    if one_shot:
+        o = res["acre-oneshot-head"]
+        line += f" | {cell(o, 'seconds', 13, '.2f')} {cell(o, 'extra_mb', 7, ',.0f')}"
+    errors = [f"{m}: {r['error']}" for m, r in res.items() if "error" in r]
+    return line + (f"   ({'; '.join(errors)})" if errors else "")
 
 
 if __name__ == "__main__":

@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"model: qwen2-shaped, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
-          f"{args.device}; torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {os.getloadavg()[0]:.1f}")
+    shape = args.model or f"qwen2-shaped, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads"
+    print(f"model: {shape}, fp32, {args.device}; torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {os.getloadavg()[0]:.1f}")
     print(f"ACRE: W0 {args.first_chunk}, S {args.stride}, l {args.interval}, W {args.working_window}, "
           f"eta {args.max_refill}; {args.questions} questions of {args.question_tokens} tokens, "
           f"{args.new_tokens} new tokens each; fastest of {args.repeats} builds, median question\n")

@@ -32,8 +32,17 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     assert not set(manifest["train_articles"]) & set(manifest["heldout_articles"])
     report = (root / "report.md").read_text()
     for row in ("full", "truncated", "acre, stage 0", "acre-l1, stage 0", "acre, stage 1", "acre, stage 1+2",
-                "acre-l1, stage 1+2", "acre, stage 1+2 refill-aware"):
+                "acre-l1, stage 1+2", "acre, stage 1+2 refill-aware", "acre, stage 1 (full-copy L1)",
+                "acre, stage 1+2 (full-copy L1)"):
         assert row in report
+    from safetensors import safe_open
+
+    def l1_keys(model: str) -> list[str]:
+        with safe_open(str(root / "exports" / model / "acre_adapter.safetensors"), "pt") as f:
+            return list(f.keys())
+
+    assert any("lora" in k for k in l1_keys("stage1"))
+    assert l1_keys("stage2-full") and not any("lora" in k for k in l1_keys("stage2-full"))  # full copies, end to end
     assert manifest["with_evidence"] == manifest["stage2_conversations"]  # every training question knows its evidence
     metrics = [json.loads(x) for x in (root / "runs" / "qwen2.5-0.5b-stage2-refill-lora" / "metrics.jsonl").read_text().splitlines()]
     assert any("refill_loss" in m for m in metrics)

@@ -18,6 +18,8 @@ ROW_NAMES = {  # (model group, method) -> the row's name in the report
     ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
     ("stage2-refill", "acre"): "acre, stage 1+2 refill-aware",
     ("stage2-refill-light", "acre"): "acre, stage 1+2 refill-aware (weight 0.1)",
+    ("stage1-full", "acre"): "acre, stage 1 (full-copy L1)",
+    ("stage2-full", "acre"): "acre, stage 1+2 (full-copy L1)",
 }
 
 

@@ -7,6 +7,8 @@ Steps (each skipped when its output exists, so the command continues where it st
 * ``stage2-refill``  stage 2 again from stage 1, same data and steps, plus the refill loss
                      (``recipes/qwen2.5-0.5b/stage2-refill.yaml``, ``train/refill_loss.py``, weight 1);
 * ``stage2-refill-light``  the same with the refill loss at weight 0.1;
+* ``stage1-full``, ``stage2-full``  stage 1 and 2 again with full-copy L1 projections instead of LoRA
+                     (``model.l1=full``, the paper's lr 5e-5), same data, steps and order;
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -31,11 +33,16 @@ from ..modeling.geometry import WindowGeometry
 from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
-STEPS = ("streams", "stage1", "stage2", "stage2-refill", "stage2-refill-light", "export", "eval", "report")
 RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora",
-        "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora", "stage2-refill-light": "qwen2.5-0.5b-stage2-refill0.1-lora"}
+        "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora", "stage2-refill-light": "qwen2.5-0.5b-stage2-refill0.1-lora",
+        "stage1-full": "qwen2.5-0.5b-stage1-full", "stage2-full": "qwen2.5-0.5b-stage2-full"}
+STEPS = ("streams", *RUNS, "export", "eval", "report")
 # Training runs that are a recipe plus fixed overrides (the variant is the override).
-VARIANTS = {"stage2-refill-light": ("stage2-refill", ("train.refill_loss.weight=0.1",))}
+FULL_COPY = ("model.l1=full", "train.learning_rate=5e-5")  # the paper's lr for full L1 copies
+VARIANTS = {"stage2-refill-light": ("stage2-refill", ("train.refill_loss.weight=0.1",)),
+            "stage1-full": ("stage1", FULL_COPY), "stage2-full": ("stage2", FULL_COPY)}
+# Where each stage-2 run starts (its stage-1 run, or that run's export on another machine).
+STARTS = {"stage2": "stage1", "stage2-refill": "stage1", "stage2-refill-light": "stage1", "stage2-full": "stage1-full"}
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
 # Model groups of the evaluation, in the order they run, and the rows each answers.
 MODELS = {
@@ -45,6 +52,8 @@ MODELS = {
     "stage2": ("acre", "acre-l1"),
     "stage2-refill": ("acre",),
     "stage2-refill-light": ("acre",),
+    "stage1-full": ("acre",),
+    "stage2-full": ("acre",),
 }
 
 
@@ -119,7 +128,10 @@ class RealStudy:
         for step in STEPS:
             if step in steps:
                 tic = time.time()
-                getattr(self, "step_" + step.replace("-", "_"))()
+                if step in RUNS:
+                    self._train(step)
+                else:
+                    getattr(self, "step_" + step)()
                 timings[step] = round(time.time() - tic, 1)
         return timings
 
@@ -164,14 +176,15 @@ class RealStudy:
         if newest is not None and read_meta(newest).get("step") == target:
             self.log(f"{stage}: finished ({newest}); skipped")
             return
-        data = "text-mix.jsonl" if stage == "stage1" else "stage2.jsonl"
+        data = "text-mix.jsonl" if base_stage == "stage1" else "stage2.jsonl"
         args = [sys.executable, "-m", "acre_train.cli", "train", str(recipe), f"output_root={run.parent}",
                 f"run_name={run.name}", f"data.path={self.root / 'data' / stage}",
                 f"data.prepare.inputs=[{self.streams / data}]", "checkpoint.resume_from_checkpoint=latest",
                 *variant, *self.config.overrides]
-        if stage.startswith("stage2"):
+        if stage in STARTS:
             # Stage 1's run, or its export when the run is on another machine (kept L1 weights).
-            start = self.run_dir("stage1") if self._has_checkpoint("stage1") else self.export_dir("stage1")
+            first = STARTS[stage]
+            start = self.run_dir(first) if self._has_checkpoint(first) else self.export_dir(first)
             args.append(f"model.init_from={start}")
         self.log(f"{stage}: {' '.join(args[2:])}")
         subprocess.run(args, check=True)
@@ -181,18 +194,6 @@ class RealStudy:
 
         pairs = [o for o in self.config.overrides if o.startswith("train.max_steps=")]
         return load_recipe(recipe, pairs).train.max_steps
-
-    def step_stage1(self) -> None:
-        self._train("stage1")
-
-    def step_stage2(self) -> None:
-        self._train("stage2")
-
-    def step_stage2_refill(self) -> None:
-        self._train("stage2-refill")
-
-    def step_stage2_refill_light(self) -> None:
-        self._train("stage2-refill-light")
 
     def step_export(self) -> None:
         import torch
@@ -216,6 +217,9 @@ class RealStudy:
                 source = {"stage": 0}
             elif model in self.config.adapters and not self._has_checkpoint(model):
                 acre, source = self._from_adapter(model, base)
+            elif not self._has_checkpoint(model):
+                self.log(f"export: {model} has no checkpoint and no kept adapter (--adapter {model}=FILE); skipped")
+                continue
             else:
                 loaded = load_checkpoint_model(str(self.run_dir(model)))
                 acre, source = loaded.model, {"checkpoint": str(loaded.checkpoint), "step": loaded.meta.get("step")}
@@ -235,7 +239,8 @@ class RealStudy:
         from ..export.checkpoint import model_from_adapter
         from ..train.recipe import load_recipe
 
-        recipe = load_recipe(Path(self.config.recipes) / f"{model}.yaml", [])
+        base_stage, variant = VARIANTS.get(model, (model, ()))
+        recipe = load_recipe(Path(self.config.recipes) / f"{base_stage}.yaml", list(variant))
         path = self.config.adapters[model]
         acre = model_from_adapter(base, path, l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
         return acre, {"adapter": str(path)}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..modeling import IGNORE_INDEX, acre_forward, acre_parameters, attach_acre, is_acre_model, load_acre_state_dict
+from ..modeling.adapter import chunked_lm_loss
 from .checkpoint import META, find_weights_checkpoint, load_trainable, read_meta
 from .recipe import Recipe
 from .refill_loss import COLUMNS as REFILL_COLUMNS, QueryKeyCapture, refill_loss_sum
@@ -173,8 +174,7 @@ class LossModule(nn.Module):
     def _vanilla(self, input_ids, labels, attention_mask):
         hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         selected = labels != IGNORE_INDEX
-        logits = self.model.lm_head(hidden[selected])
-        return torch.nn.functional.cross_entropy(logits.float(), labels[selected], reduction="sum"), int(selected.sum())
+        return chunked_lm_loss(self.model.lm_head, hidden[selected], labels[selected]), int(selected.sum())
 
 
 def save_base(model_source: nn.Module, path: Path, recipe: Recipe) -> None:
