@@ -116,6 +116,34 @@ def test_chunked_lm_head_loss_gives_the_one_shot_loss_and_l1_gradients():
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
 
 
+def test_vanilla_loss_through_the_chunked_head_equals_transformers_loss():
+    """Vanilla SFT shares the chunked head: its loss sum and gradients equal the model's own full-logit loss."""
+    from acre_train.modeling import adapter
+
+    def run(ours: bool):
+        model = tiny_model("qwen2", vocab_size=1024, eos_token_id=0, seed=6)
+        ids = torch.randint(5, 1024, (1, 40), generator=torch.Generator().manual_seed(1))
+        labels = ids.clone()
+        labels[0, :9] = -100
+        if ours:
+            old, adapter.LM_HEAD_ROWS = adapter.LM_HEAD_ROWS, 5
+            try:  # the collator's labels are already shifted for LossModule: position t predicts labels[t]
+                loss, count, _ = LossModule(model)(input_ids=ids[:, :-1], labels=labels[:, 1:],
+                                                   attention_mask=torch.ones_like(ids[:, :-1]))
+            finally:
+                adapter.LM_HEAD_ROWS = old
+            loss = loss / count
+        else:
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    ref_loss, ref_grad = run(False)
+    loss, grad = run(True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_step_flop_estimate_agrees_with_torch_flop_counter():
     """The trainer's GFLOP/s figure rests on step_flops; torch counts every matmul of the same step."""
     from torch.utils.flop_counter import FlopCounterMode
