@@ -8,6 +8,12 @@ device, L2 in CPU memory). Every (method, size) runs in its own process so peaks
 
     python benchmarks/inference_cost.py                       # 8K 16K 32K 64K, ~4-8 min on 2 CPU cores
     python benchmarks/inference_cost.py --sizes 4096 8192 --no-full --json out.json
+    python benchmarks/inference_cost.py --model base:qwen2.5-coder-0.5b-instruct --sizes 8192 16384 32768 \
+        --repeats 1 --threads 2        # the real base, ~25 min here (a 32K full prefill alone takes ~4 min)
+
+Per question, the time is split: ACRE into scoring (the open chunk over the L1 cache), refill gather,
+prefill (the open chunk, i.e. the raw tail of the unfinished last chunk plus the question, over the
+refilled cache) and decoding; full attention into the question prefill and decoding.
 
 The model is random (costs do not depend on weights): Qwen2-shaped, 2 layers, hidden 128, 2 query
 heads / 1 KV head, fp32. Settings default to the paper's: W0 4096, S 2048, l 16, W 32K, eta 4096.
@@ -120,17 +126,22 @@ def run_full(args, size: int) -> dict:
     model = _model(args)
     device = args.device
 
-    def ask(cache, question: list[int]) -> None:
+    def ask(cache, question: list[int]) -> dict[str, float]:
+        """Greedy answer over the reused cache; the first forward is the question prefill, the rest decoding."""
         ids = torch.tensor([question], device=device)
-        for _ in range(args.new_tokens):
+        split = {"prefill_s": 0.0, "decode_s": 0.0}
+        for step in range(args.new_tokens):
+            tic = time.perf_counter()
             out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            split["prefill_s" if step == 0 else "decode_s"] += time.perf_counter() - tic
+        return split
 
     with torch.no_grad():
         warm = model(torch.tensor([_tokens(512, 0)], device=device), use_cache=True, logits_to_keep=1).past_key_values
         ask(warm, _tokens(8, 1))
         del warm
-        builds, latencies = [], []
+        builds, latencies, splits = [], [], []
         with PeakMemory(device) as memory:
             for _ in range(args.repeats):
                 cache = None  # free the previous cache before building the next one
@@ -139,13 +150,15 @@ def run_full(args, size: int) -> dict:
                 builds.append(time.perf_counter() - tic)
                 for q in range(-1, args.questions):  # q = -1: untimed first question, as for ACRE
                     tic = time.perf_counter()
-                    ask(cache, _tokens(args.question_tokens, 10 + q))
+                    split = ask(cache, _tokens(args.question_tokens, 10 + q))
                     if q >= 0:
                         latencies.append(time.perf_counter() - tic)
+                        splits.append(split)
                     cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
     kv = _kv_mib(model, size)
     return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
-            "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size}
+            "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size,
+            **{key: statistics.median(s[key] for s in splits) for key in ("prefill_s", "decode_s")}}
 
 
 def _kv_mib(model, tokens: int) -> float:
@@ -211,8 +224,10 @@ def _print_row(size: int, acre: dict, full: dict) -> None:
             print(f"  {name:<5} {r['error']}")
             continue
         extra = f", {r['num_l1']} L1 entries, k={r['k']}, refilled cache {r['cache_length']}" if name == "ACRE" else ""
+        split = " + ".join(f"{key[:-2]} {r[key]:.3f}" for key in ("score_s", "refill_s", "prefill_s", "decode_s") if key in r)
         print(f"  {name:<5} build {r['build_s']:7.2f}s | per question {r['question_s']:6.3f}s | peak +{r['peak_mib']:7.1f} MiB"
               f" | KV on device {r['device_kv_mib']:6.1f} MiB, in CPU memory {r['cpu_kv_mib']:6.1f} MiB{extra}")
+        print(f"        per question: {split} s")
     print(f"  full / ACRE: build {ratio('build_s')}, per question {ratio('question_s')}, peak memory {ratio('peak_mib')}, "
           f"device KV {ratio('device_kv_mib')}, attended cache {ratio('working_cache_mib')}")
 
