@@ -54,3 +54,15 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "streams: " in out and "skipped" in out and "eval " not in out
+
+
+def test_reproduce_help_names_every_step_of_both_studies(capsys):
+    """The --steps help is written out by hand (the CLI does not import torch to print help)."""
+    from acre_train.mini.study import STEPS as MINI
+    from acre_train.real.study import STEPS as REAL
+
+    with pytest.raises(SystemExit):
+        cli_main(["reproduce", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even inside a hyphenated name
+    assert "real:" + ",".join(REAL) + ";" in text
+    assert "mini:" + ",".join(MINI) in text

@@ -19,17 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes and a few steps per stage (CI: exercises every command in about a minute)")
     parser.add_argument("--root", default=None,
-                        help="output directory (default: checkpoints/mini, or checkpoints/mini-smoke with --smoke)")
+                        help="output directory (default: checkpoints/<study>, or checkpoints/<study>-smoke with --smoke)")
     parser.add_argument("--steps", default=None,
                         help="comma-separated subset of the study's steps (default: all; finished ones are skipped). "
-                             "real: streams,stage1,stage2,stage2-refill,stage2-refill-light,export,eval,report; mini: tokenizer,streams,base,base2,"
+                             "real: streams,stage1,stage2,stage2-refill,stage2-refill-light,stage1-full,stage2-full,export,eval,report; "
+                             "mini: tokenizer,streams,base,base2,"
                              "export-base,stage1,stage2,vanilla-sft,eval,report")
     parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist (old outputs are kept as "
                              "<name>.replaced-<time>; any later step named re-runs too)")
     parser.add_argument("--adapter", action="append", default=[], metavar="MODEL=FILE",
-                        help="real: kept L1 weights (an export's acre_adapter.safetensors) for stage1/stage2, used "
+                        help="real: kept L1 weights (an export's acre_adapter.safetensors) of a training run, used "
                              "when the run's checkpoints are not on this machine, e.g. --adapter "
-                             "stage1=docs/real-base/adapters/stage1-lora-step30.safetensors")
+                             "stage1=acre_train/resources/adapters/qwen2.5-0.5b-stage1-lora.safetensors")
     parser.add_argument("--cells", default=None,
                         help="real: evaluate only these cells, in this order: LENGTH/TASK[/MODEL],... "
                              "(e.g. 4096/squad/base,4096/squad/stage0); the report keeps earlier rows of the others")
