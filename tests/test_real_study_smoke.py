@@ -33,7 +33,7 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     report = (root / "report.md").read_text()
     for row in ("full", "truncated", "acre, stage 0", "acre-l1, stage 0", "acre, stage 1", "acre, stage 1+2",
                 "acre-l1, stage 1+2", "acre, stage 1+2 refill-aware", "acre, stage 1 (full-copy L1)",
-                "acre, stage 1+2 (full-copy L1)"):
+                "acre, stage 1+2 (full-copy L1)", "acre, stage 1+2 (120 + 120 steps)"):
         assert row in report
     from safetensors import safe_open
 

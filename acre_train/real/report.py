@@ -20,6 +20,8 @@ ROW_NAMES = {  # (model group, method) -> the row's name in the report
     ("stage2-refill-light", "acre"): "acre, stage 1+2 refill-aware (weight 0.1)",
     ("stage1-full", "acre"): "acre, stage 1 (full-copy L1)",
     ("stage2-full", "acre"): "acre, stage 1+2 (full-copy L1)",
+    ("stage1-long", "acre"): "acre, stage 1 (120 steps)",
+    ("stage2-long", "acre"): "acre, stage 1+2 (120 + 120 steps)",
 }
 
 

@@ -9,6 +9,8 @@ Steps (each skipped when its output exists, so the command continues where it st
 * ``stage2-refill-light``  the same with the refill loss at weight 0.1;
 * ``stage1-full``, ``stage2-full``  stage 1 and 2 again with full-copy L1 projections instead of LoRA
                      (``model.l1=full``, the paper's lr 5e-5), same data, steps and order;
+* ``stage1-long``, ``stage2-long``  the LoRA runs with 4x / 6x the steps (120 each: ~1.4 h and ~0.8 h
+                     alone on 2 cores; ~3 and ~2.5 epochs of the same data);
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -35,14 +37,17 @@ from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squ
 BASE = "base:qwen2.5-coder-0.5b-instruct"
 RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora",
         "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora", "stage2-refill-light": "qwen2.5-0.5b-stage2-refill0.1-lora",
-        "stage1-full": "qwen2.5-0.5b-stage1-full", "stage2-full": "qwen2.5-0.5b-stage2-full"}
+        "stage1-full": "qwen2.5-0.5b-stage1-full", "stage2-full": "qwen2.5-0.5b-stage2-full",
+        "stage1-long": "qwen2.5-0.5b-stage1-lora-120", "stage2-long": "qwen2.5-0.5b-stage2-lora-120"}
 STEPS = ("streams", *RUNS, "export", "eval", "report")
 # Training runs that are a recipe plus fixed overrides (the variant is the override).
 FULL_COPY = ("model.l1=full", "train.learning_rate=5e-5")  # the paper's lr for full L1 copies
 VARIANTS = {"stage2-refill-light": ("stage2-refill", ("train.refill_loss.weight=0.1",)),
-            "stage1-full": ("stage1", FULL_COPY), "stage2-full": ("stage2", FULL_COPY)}
+            "stage1-full": ("stage1", FULL_COPY), "stage2-full": ("stage2", FULL_COPY),
+            "stage1-long": ("stage1", ("train.max_steps=120",)), "stage2-long": ("stage2", ("train.max_steps=120",))}
 # Where each stage-2 run starts (its stage-1 run, or that run's export on another machine).
-STARTS = {"stage2": "stage1", "stage2-refill": "stage1", "stage2-refill-light": "stage1", "stage2-full": "stage1-full"}
+STARTS = {"stage2": "stage1", "stage2-refill": "stage1", "stage2-refill-light": "stage1", "stage2-full": "stage1-full",
+          "stage2-long": "stage1-long"}
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
 # Model groups of the evaluation, in the order they run, and the rows each answers.
 MODELS = {
@@ -54,6 +59,8 @@ MODELS = {
     "stage2-refill-light": ("acre",),
     "stage1-full": ("acre",),
     "stage2-full": ("acre",),
+    "stage1-long": ("acre",),
+    "stage2-long": ("acre",),
 }
 
 
@@ -172,7 +179,7 @@ class RealStudy:
         recipe = Path(self.config.recipes) / f"{base_stage}.yaml"
         run = self.run_dir(stage)
         newest = latest_checkpoint(run) if run.is_dir() else None
-        target = self._max_steps(recipe)
+        target = self._max_steps(recipe, variant)
         if newest is not None and read_meta(newest).get("step") == target:
             self.log(f"{stage}: finished ({newest}); skipped")
             return
@@ -189,10 +196,10 @@ class RealStudy:
         self.log(f"{stage}: {' '.join(args[2:])}")
         subprocess.run(args, check=True)
 
-    def _max_steps(self, recipe: Path) -> int | None:
+    def _max_steps(self, recipe: Path, variant: tuple[str, ...] = ()) -> int | None:
         from ..train.recipe import load_recipe
 
-        pairs = [o for o in self.config.overrides if o.startswith("train.max_steps=")]
+        pairs = [o for o in (*variant, *self.config.overrides) if o.startswith("train.max_steps=")]
         return load_recipe(recipe, pairs).train.max_steps
 
     def step_export(self) -> None:
