@@ -51,11 +51,10 @@ def measure(method: str, length: int, args) -> dict:
 
     torch.set_num_threads(args.threads)
 
+    import acre_train.modeling.adapter as adapter
     from acre_train.modeling import acre_forward, attach_acre, interleave, num_chunks, sample_intervals
     from acre_train.modeling.batch import pad_batch
     from acre_train.train.cost import step_flops
-
-    import acre_train.modeling.adapter as adapter
 
     torch.manual_seed(0)
     model = _model(args.model)
@@ -79,6 +78,7 @@ def measure(method: str, length: int, args) -> dict:
         ids = raw[None]
         flops = step_flops(model, [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}],
                            trains_base=False)  # only q/k/v train: their weight grads are ~2 % of the FLOPs
+
         def step():
             hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
             return adapter.chunked_lm_loss(model.lm_head, hidden, ids[0, 1:]) / (length - 1)
