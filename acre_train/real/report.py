@@ -103,22 +103,38 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """One panel per (length, task): every row's score with its 95 % interval, labelled with its KV share.
+
+    Rows go down the y axis (many ACRE rows attend the same KV share, so a score-vs-KV scatter
+    stacks their labels on one another); ACRE rows are blue, the baselines grey.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cells = list(dict.fromkeys((r["length"], r["task"]) for r in records))
-    fig, axes = plt.subplots(1, max(1, len(cells)), figsize=(4.2 * max(1, len(cells)), 3.8), squeeze=False)
-    for ax, (length, task) in zip(axes[0], cells):
-        for r in (r for r in records if r["length"] == length and r["task"] == task):
-            ax.errorbar(r["kv_pct"], r["score"], yerr=[[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]],
-                        fmt="o", capsize=3)
-            ax.annotate(r["row"], (r["kv_pct"], r["score"]), textcoords="offset points", xytext=(3, 3), fontsize=6)
-        ax.set_title(f"{task}, {length} tokens", fontsize=9)
-        ax.set_xlabel("KV attended (% of the prompt)")
-        ax.set_ylabel("score (mean × 100, 95 % CI)")
-        ax.grid(alpha=0.3)
+    columns = min(2, len(cells))
+    grid_rows = -(-len(cells) // columns)
+    most = max(sum(1 for r in records if (r["length"], r["task"]) == c) for c in cells)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(7.5 * columns, 0.32 * most * grid_rows + 1.2 * grid_rows),
+                             squeeze=False)
+    for ax, (length, task) in zip(axes.flat, cells):
+        rows = [r for r in records if r["length"] == length and r["task"] == task]
+        for y, r in enumerate(rows):
+            colour = "tab:blue" if r["row"].startswith("acre") else "dimgray"
+            ax.errorbar(r["score"], y, xerr=[[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]],
+                        fmt="o", capsize=3, color=colour)
+        full = [r["score"] for r in rows if r["method"] == "full"]
+        if full:  # the reference every row is read against
+            ax.axvline(full[0], color="dimgray", linestyle="--", linewidth=0.8)
+        ax.set_yticks(range(len(rows)), [f"{r['row']}  ({r['kv_pct']:.0f} % KV)" for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{task}, {length} context tokens", fontsize=9)
+        ax.set_xlabel("score (mean × 100, 95 % CI)", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    for ax in list(axes.flat)[len(cells):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
