@@ -1,8 +1,8 @@
 """Forward+backward cost of ACRE stage-1 training against plain full-attention training.
 
-Same small Qwen2-architecture model, same raw tokens, on this machine, side by side in one run:
-tokens/s and peak memory (resident set of a fresh process per measurement, so runs do not share a
-high-water mark). ACRE uses the official chunking (W0 = 4096, S = 2048) with intervals drawn from
+Same model (a small random Qwen2, or ``--model``), same raw tokens, on this machine, side by side in
+one run: seconds per step (tokens/s too, in ``--json``) and peak memory (resident set of a fresh
+process per measurement, so runs do not share a high-water mark). ACRE uses the official chunking (W0 = 4096, S = 2048) with intervals drawn from
 {8, 16, 32, 64, 128}; the full-attention baseline trains the base q/k/v on the causal model.
 
     python benchmarks/attention_cost.py                 # 4K, 8K, 16K raw tokens
