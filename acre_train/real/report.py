@@ -11,18 +11,6 @@ if TYPE_CHECKING:
     from .study import RealStudy
 
 BOOTSTRAP = 2000
-ROW_NAMES = {  # (model group, method) -> the row's name in the report
-    ("base", "full"): "full", ("base", "truncated"): "truncated", ("base", "cachefocus"): "cachefocus",
-    ("base", "infoflow"): "infoflow", ("stage0", "acre"): "acre, stage 0 (untrained L1)",
-    ("stage0", "acre-l1"): "acre-l1, stage 0 (untrained L1)", ("stage1", "acre"): "acre, stage 1",
-    ("stage2", "acre"): "acre, stage 1+2", ("stage2", "acre-l1"): "acre-l1, stage 1+2",
-    ("stage2-refill", "acre"): "acre, stage 1+2 refill-aware",
-    ("stage2-refill-light", "acre"): "acre, stage 1+2 refill-aware (weight 0.1)",
-    ("stage1-full", "acre"): "acre, stage 1 (full-copy L1)",
-    ("stage2-full", "acre"): "acre, stage 1+2 (full-copy L1)",
-    ("stage1-long", "acre"): "acre, stage 1 (120 steps)",
-    ("stage2-long", "acre"): "acre, stage 1+2 (120 + 120 steps)",
-}
 
 
 def bootstrap_ci(values: list[float], seed: int = 0, rounds: int = BOOTSTRAP) -> tuple[float, float, float]:
@@ -53,7 +41,7 @@ def collect(study: "RealStudy", kept: list[dict[str, Any]] = ()) -> list[dict[st
             for model in MODELS:
                 cell = study.cell_dir(length, task, model)
                 if not (cell / "summary.json").is_file():
-                    names = {ROW_NAMES.get((model, kind), f"{kind} ({model})") for kind in MODELS[model]}
+                    names = set(MODELS[model].values())
                     out += [dict(r, kept=True) for r in kept
                             if r["length"] == length and r["task"] == task and r["row"] in names]
                     continue
@@ -67,7 +55,7 @@ def collect(study: "RealStudy", kept: list[dict[str, Any]] = ()) -> list[dict[st
                     ranks = sorted(r["refill_rank"] for r in mine if r.get("refill_rank") is not None)
                     _, recall_low, recall_high = bootstrap_ci(recall)
                     out.append({
-                        "length": length, "task": task, "row": ROW_NAMES.get((model, kind), f"{kind} ({model})"),
+                        "length": length, "task": task, "row": MODELS[model][kind],
                         "method": method, "n": len(mine), "score": mean, "ci_low": low, "ci_high": high,
                         "kv_pct": 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in mine) / len(mine),
                         "prefill_s": sum(contexts.values()) / len(contexts),

@@ -35,32 +35,53 @@ from ..modeling.geometry import WindowGeometry
 from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
-RUNS = {"stage1": "qwen2.5-0.5b-stage1-lora", "stage2": "qwen2.5-0.5b-stage2-lora",
-        "stage2-refill": "qwen2.5-0.5b-stage2-refill-lora", "stage2-refill-light": "qwen2.5-0.5b-stage2-refill0.1-lora",
-        "stage1-full": "qwen2.5-0.5b-stage1-full", "stage2-full": "qwen2.5-0.5b-stage2-full",
-        "stage1-long": "qwen2.5-0.5b-stage1-lora-120", "stage2-long": "qwen2.5-0.5b-stage2-lora-120"}
-STEPS = ("streams", *RUNS, "export", "eval", "report")
-# Training runs that are a recipe plus fixed overrides (the variant is the override).
 FULL_COPY = ("model.l1=full", "train.learning_rate=5e-5")  # the paper's lr for full L1 copies
-VARIANTS = {"stage2-refill-light": ("stage2-refill", ("train.refill_loss.weight=0.1",)),
-            "stage1-full": ("stage1", FULL_COPY), "stage2-full": ("stage2", FULL_COPY),
-            "stage1-long": ("stage1", ("train.max_steps=120",)), "stage2-long": ("stage2", ("train.max_steps=120",))}
-# Where each stage-2 run starts (its stage-1 run, or that run's export on another machine).
-STARTS = {"stage2": "stage1", "stage2-refill": "stage1", "stage2-refill-light": "stage1", "stage2-full": "stage1-full",
-          "stage2-long": "stage1-long"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the study: how it is trained and the report rows its export answers.
+
+    ``recipe`` names ``recipes/qwen2.5-0.5b/<recipe>.yaml``; ``overrides`` make the variant;
+    ``start`` is the run whose L1 weights it starts from (or that run's export on another machine);
+    ``rows`` maps each evaluated method to its row name in the report.
+    """
+
+    dir: str
+    recipe: str
+    rows: dict[str, str]
+    overrides: tuple[str, ...] = ()
+    start: str | None = None
+
+
+def _acre(label: str) -> dict[str, str]:
+    return {"acre": f"acre, {label}"}
+
+
+RUNS: dict[str, Run] = {
+    "stage1": Run("qwen2.5-0.5b-stage1-lora", "stage1", _acre("stage 1")),
+    "stage2": Run("qwen2.5-0.5b-stage2-lora", "stage2",
+                  {"acre": "acre, stage 1+2", "acre-l1": "acre-l1, stage 1+2"}, start="stage1"),
+    "stage2-refill": Run("qwen2.5-0.5b-stage2-refill-lora", "stage2-refill", _acre("stage 1+2 refill-aware"),
+                         start="stage1"),
+    "stage2-refill-light": Run("qwen2.5-0.5b-stage2-refill0.1-lora", "stage2-refill",
+                               _acre("stage 1+2 refill-aware (weight 0.1)"),
+                               ("train.refill_loss.weight=0.1",), start="stage1"),
+    "stage1-full": Run("qwen2.5-0.5b-stage1-full", "stage1", _acre("stage 1 (full-copy L1)"), FULL_COPY),
+    "stage2-full": Run("qwen2.5-0.5b-stage2-full", "stage2", _acre("stage 1+2 (full-copy L1)"), FULL_COPY,
+                       start="stage1-full"),
+    "stage1-long": Run("qwen2.5-0.5b-stage1-lora-120", "stage1", _acre("stage 1 (120 steps)"),
+                       ("train.max_steps=120",)),
+    "stage2-long": Run("qwen2.5-0.5b-stage2-lora-120", "stage2", _acre("stage 1+2 (120 + 120 steps)"),
+                       ("train.max_steps=120",), start="stage1-long"),
+}
+STEPS = ("streams", *RUNS, "export", "eval", "report")
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
-# Model groups of the evaluation, in the order they run, and the rows each answers.
-MODELS = {
-    "stage0": ("acre", "acre-l1"),
-    "base": ("full", "truncated", "cachefocus", "infoflow"),
-    "stage1": ("acre",),
-    "stage2": ("acre", "acre-l1"),
-    "stage2-refill": ("acre",),
-    "stage2-refill-light": ("acre",),
-    "stage1-full": ("acre",),
-    "stage2-full": ("acre",),
-    "stage1-long": ("acre",),
-    "stage2-long": ("acre",),
+# Model groups of the evaluation, in the order they run: method -> row name in the report.
+MODELS: dict[str, dict[str, str]] = {
+    "stage0": {"acre": "acre, stage 0 (untrained L1)", "acre-l1": "acre-l1, stage 0 (untrained L1)"},
+    "base": {"full": "full", "truncated": "truncated", "cachefocus": "cachefocus", "infoflow": "infoflow"},
+    **{name: run.rows for name, run in RUNS.items()},
 }
 
 
@@ -117,7 +138,7 @@ class RealStudy:
         return self.root / "streams"
 
     def run_dir(self, stage: str) -> Path:
-        return self.root / "runs" / RUNS[stage]
+        return self.root / "runs" / RUNS[stage].dir
 
     def export_dir(self, model: str) -> Path:
         return self.root / "exports" / model
@@ -175,22 +196,22 @@ class RealStudy:
     def _train(self, stage: str) -> None:
         from ..train.checkpoint import latest_checkpoint, read_meta
 
-        base_stage, variant = VARIANTS.get(stage, (stage, ()))
-        recipe = Path(self.config.recipes) / f"{base_stage}.yaml"
+        spec = RUNS[stage]
+        recipe = Path(self.config.recipes) / f"{spec.recipe}.yaml"
         run = self.run_dir(stage)
         newest = latest_checkpoint(run) if run.is_dir() else None
-        target = self._max_steps(recipe, variant)
+        target = self._max_steps(recipe, spec.overrides)
         if newest is not None and read_meta(newest).get("step") == target:
             self.log(f"{stage}: finished ({newest}); skipped")
             return
-        data = "text-mix.jsonl" if base_stage == "stage1" else "stage2.jsonl"
+        data = "text-mix.jsonl" if spec.recipe == "stage1" else "stage2.jsonl"
         args = [sys.executable, "-m", "acre_train.cli", "train", str(recipe), f"output_root={run.parent}",
                 f"run_name={run.name}", f"data.path={self.root / 'data' / stage}",
                 f"data.prepare.inputs=[{self.streams / data}]", "checkpoint.resume_from_checkpoint=latest",
-                *variant, *self.config.overrides]
-        if stage in STARTS:
+                *spec.overrides, *self.config.overrides]
+        if spec.start:
             # Stage 1's run, or its export when the run is on another machine (kept L1 weights).
-            first = STARTS[stage]
+            first = spec.start
             start = self.run_dir(first) if self._has_checkpoint(first) else self.export_dir(first)
             args.append(f"model.init_from={start}")
         self.log(f"{stage}: {' '.join(args[2:])}")
@@ -246,8 +267,8 @@ class RealStudy:
         from ..export.checkpoint import model_from_adapter
         from ..train.recipe import load_recipe
 
-        base_stage, variant = VARIANTS.get(model, (model, ()))
-        recipe = load_recipe(Path(self.config.recipes) / f"{base_stage}.yaml", list(variant))
+        spec = RUNS[model]
+        recipe = load_recipe(Path(self.config.recipes) / f"{spec.recipe}.yaml", list(spec.overrides))
         path = self.config.adapters[model]
         acre = model_from_adapter(base, path, l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
         return acre, {"adapter": str(path)}
