@@ -11,6 +11,29 @@ from typing import Any
 import torch
 
 
+def _open_from(path: Path, start_step: int):
+    """``path`` opened for appending after dropping its lines of steps past ``start_step``.
+
+    A run killed between logging a step and checkpointing it logs that step again when it resumes;
+    without the trim the log would hold both lines (and a fresh start would keep a dead run's lines).
+    A line cut short by the kill is dropped too.
+    """
+    def kept_line(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= start_step
+        except json.JSONDecodeError:
+            return False
+
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.endswith("\n") and kept_line(line)]
+        if len(kept) != len(lines):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            tmp.replace(path)
+    return open(path, "a", encoding="utf-8")
+
+
 class StepLogger:
     """Rank 0 writes tensorboard + ``metrics.jsonl`` + progress bar; every rank may log its samples."""
 
@@ -22,14 +45,17 @@ class StepLogger:
         self.writer = None
         self.bar = None
         self.metrics = None
-        self.samples = open(run_dir / f"samples_rank{rank}.jsonl", "a", encoding="utf-8") if log_samples else None
+        self.samples = None
+        if log_samples:
+            self.samples = _open_from(run_dir / f"samples_rank{rank}.jsonl", start_step)
         if not self.main:
             return
-        self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.metrics = _open_from(run_dir / "metrics.jsonl", start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step hides the events of steps that the resumed checkpoint did not keep
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if progress_bar:
             from tqdm.auto import tqdm
 
