@@ -31,9 +31,9 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     manifest = json.loads((root / "streams" / "manifest.json").read_text())
     assert not set(manifest["train_articles"]) & set(manifest["heldout_articles"])
     report = (root / "report.md").read_text()
-    for row in ("full", "truncated", "acre, stage 0", "acre-l1, stage 0", "acre, stage 1", "acre, stage 1+2",
-                "acre-l1, stage 1+2", "acre, stage 1+2 refill-aware", "acre, stage 1 (full-copy L1)",
-                "acre, stage 1+2 (full-copy L1)", "acre, stage 1+2 (120 + 120 steps)"):
+    from acre_train.real.study import MODELS
+
+    for row in {name for rows in MODELS.values() for name in rows.values()}:  # every row of every model group
         assert row in report
     from safetensors import safe_open
 
