@@ -9,8 +9,8 @@ Steps (each skipped when its output exists, so the command continues where it st
 * ``stage2-refill-light``  the same with the refill loss at weight 0.1;
 * ``stage1-full``, ``stage2-full``  stage 1 and 2 again with full-copy L1 projections instead of LoRA
                      (``model.l1=full``, the paper's lr 5e-5), same data, steps and order;
-* ``stage1-long``, ``stage2-long``  the LoRA runs with 4x / 6x the steps (120 each: ~1.4 h and ~0.8 h
-                     alone on 2 cores; ~3 and ~2.5 epochs of the same data);
+* ``stage1-long``, ``stage2-long``  the LoRA runs with 4x / 6x the steps (120 each: ~1.5 h and ~0.7 h
+                     on 2 cores, as measured; ~3 and ~2.5 epochs of the same data);
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -211,8 +211,7 @@ class RealStudy:
                 *spec.overrides, *self.config.overrides]
         if spec.start:
             # Stage 1's run, or its export when the run is on another machine (kept L1 weights).
-            first = spec.start
-            start = self.run_dir(first) if self._has_checkpoint(first) else self.export_dir(first)
+            start = self.run_dir(spec.start) if self._has_checkpoint(spec.start) else self.export_dir(spec.start)
             args.append(f"model.init_from={start}")
         self.log(f"{stage}: {' '.join(args[2:])}")
         subprocess.run(args, check=True)

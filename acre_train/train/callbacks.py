@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .checkpoint import write_text_atomic
+
 
 def _open_from(path: Path, start_step: int):
     """``path`` opened for appending after dropping its lines of steps past ``start_step``.
@@ -28,9 +30,7 @@ def _open_from(path: Path, start_step: int):
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         kept = [line for line in lines if line.endswith("\n") and kept_line(line)]
         if len(kept) != len(lines):
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            tmp.replace(path)
+            write_text_atomic(path, "".join(kept))
     return open(path, "a", encoding="utf-8")
 
 

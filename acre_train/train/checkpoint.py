@@ -190,7 +190,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         _publish(tmp, final)
-        _write_text_atomic(run_dir / LATEST, final.name + "\n")
+        write_text_atomic(run_dir / LATEST, final.name + "\n")
         if keep_last:
             # Only older steps are pruned, never the checkpoint just written: the newest keep_last
             # steps up to this one stay.
@@ -213,7 +213,8 @@ def _publish(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old file or the new one, never half of it."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
