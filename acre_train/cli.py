@@ -22,6 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
     "validate": ("acre_train.train.validate", "check a training recipe (keys, batch split, data, DeepSpeed) without training"),
     "eval": ("acre_train.eval.cli", "compare full, truncated, CacheFocus, InfoFlow, ... on long-context QA tasks"),
+    "calibrate": ("acre_train.eval.calibrate", "pick an export's refill scorer on dev questions with known evidence (writes it into the export)"),
     "export": ("acre_train.export.cli", "turn a training run or checkpoint (ZeRO-1/2 too) into an inference-ready HF folder"),
     "chat": ("acre_train.infer.chat_cli", "answer questions typed at a prompt about a long context file (export + refilling)"),
     "generate": ("acre_train.infer.generate_cli", "answer a JSONL of (context, question) rows; writes answers with timing and memory"),
@@ -50,6 +51,8 @@ acre-train validate recipes/tiny_stage2.yaml train.refill_loss.weight=1""",
     "eval": """acre-train eval --model checkpoints/qwen2.5-3b-acre --tasks squad,ruler --methods full,acre,acre-l1
 acre-train eval --model base:qwen2.5-coder-0.5b-instruct --tasks niah_multikey --context-tokens 2048 \\
     --methods full,truncated:budget=512,cachefocus,infoflow""",
+    "calibrate": """acre-train calibrate checkpoints/qwen2.5-3b-acre --data squad --squad squad-train-articles.json
+acre-train calibrate checkpoints/qwen2.5-3b-acre --data niah_multikey --context-tokens 4096 --seed 1000 --dry-run""",
     "export": """acre-train export checkpoints/qwen2.5-3b-stage2 checkpoints/qwen2.5-3b-acre
 acre-train export checkpoints/qwen2.5-3b-stage2 checkpoints/acre-adapter --adapter-only --max-refill 2048""",
     "chat": """acre-train chat checkpoints/qwen2.5-3b-acre --context book.txt

@@ -135,3 +135,87 @@ def test_refill_recall_and_rank_of_the_evidence_span():
     got = refill_recall(None, example, cache, selected=[2], scores=torch.tensor([0.1, 0.2, 0.6, 0.1]))
     assert got["refill_recall"] == 1.0 and got["refill_rank"] == 1
     assert refill_recall(None, example, cache, selected=[0, 1, 2, 3], scores=None)["refill_rank"] is None
+
+
+def test_coverage_counts_evidence_tokens_and_the_split_reads_rows_as_recall_times_answered():
+    from types import SimpleNamespace
+
+    from acre_train.eval.metrics import refill_split
+    from acre_train.eval.methods.acre import evidence_visibility
+
+    cache = SimpleNamespace(span_bounds=torch.tensor([0, 8, 16, 24, 32]), num_context_tokens=36, tail_ids=[0] * 4)
+    straddling = [(12, 20)]  # half in span 1, half in span 2
+    half = evidence_visibility(straddling, cache, selected=[1])
+    assert half["refill_recall"] == 1.0 and half["refill_coverage"] == 0.5  # overlap says found; half came back
+    assert evidence_visibility(straddling, cache, selected=[1, 2])["refill_coverage"] == 1.0
+    assert evidence_visibility([(33, 35)], cache, selected=[])["refill_coverage"] == 1.0  # the raw tail is seen
+    rows = [{"score": 1.0, "refill_coverage": 1.0}, {"score": 0.5, "refill_coverage": 1.0},
+            {"score": 0.0, "refill_coverage": 0.5}, {"score": 1.0, "refill_coverage": None}]
+    split = refill_split(rows)
+    assert split["score_when_refilled"] == 75.0 and split["score_when_refilled_n"] == 2
+    assert split["score_when_missed"] == 0.0 and split["score_when_missed_n"] == 1
+    assert split["refill_covered"] == pytest.approx(200 / 3) and split["refill_coverage"] == pytest.approx(250 / 3)
+    low, high = split["score_when_refilled_ci"]
+    assert 50.0 <= low <= 75.0 <= high <= 100.0
+
+
+def _tiny_export(tmp_path, **inference):
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+    from acre_train.export.writer import export_model
+
+    tok = tiny_tokenizer()
+    model = attach_acre(tiny_model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for _, p in acre_parameters(model):
+            p.add_(0.05 * torch.randn_like(p))
+    geometry = {"first_chunk": 128, "stride": 64, "interval": 16, "working_window": 512, "max_refill": 64, **inference}
+    return export_model(model, tmp_path / "export", tokenizer=tok, base_model=None, inference=geometry), tok
+
+
+def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys):
+    from acre_train.cli import main
+
+    export, tok = _tiny_export(tmp_path)
+    dev = tmp_path / "dev.jsonl"
+    save_jsonl(build_task("niah_multikey", tok, 400, 4, seed=5), dev)
+    rc = main(["calibrate", str(export), "--data", str(dev), "--layers", "0,1", "--sinks", "0,2", "--no-progress"])
+    assert rc == 0
+    table = json.loads((export / "calibration.json").read_text())
+    best = table["rows"][0]
+    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2  # l1: layer x heads x nb; l2/bounds: x (0, 2, 2+keep)
+    assert all(best["covered"] >= r["covered"] for r in table["rows"]) and best["n"] == 4
+    stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
+    assert stored["scorer"] == best["scorer"] and stored["neighbors"] == best["neighbors"]
+    assert "`" + best["setting"] + "`" in (export / "calibration.md").read_text()
+
+    from acre_train.infer.scorers import ScorerSettings
+
+    chosen = ScorerSettings.parse(best["scorer"]).describe()
+    context = tmp_path / "ctx.txt"
+    context.write_text(build_task("niah_single", tok, 400, 1)[0].context)
+    capsys.readouterr()
+    import io
+
+    # chat reads stdin: feed one question through the function the verb runs.
+    from acre_train.cli import build_parser_for
+    from acre_train.infer.cli import run_chat
+
+    argv = ["chat", str(export), "--context", str(context), "--device", "cpu", "--max-new-tokens", "2"]
+    assert run_chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("What is the key?\n")) == 0
+    assert f"scorer {chosen}" in capsys.readouterr().out
+
+    # An eval row takes the stored scorer, and its own options replace it.
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(export), "--tasks", str(dev), "--methods",
+                 "acre,acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1", "--out", str(out),
+                 "--max-new-tokens", "2", "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert {r["acre_scorer"] for r in rows} == {chosen + (",neighbors" if best["neighbors"] else ""),
+                                                "l2:layers=1,heads=max,sinks=2,neighbors"}
+    summary = json.loads((out / "summary.json").read_text())["overall"]
+    for label in ("acre", "acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1"):
+        e = summary[label]
+        assert e["score_when_refilled_n"] + e["score_when_missed_n"] == 4
+        assert e["refill_coverage"] is not None
+    assert "score when refilled" in (out / "results.md").read_text()

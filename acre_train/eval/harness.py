@@ -178,6 +178,12 @@ def _group(rows: list[dict[str, Any]], labels: list[str]) -> dict[str, dict[str,
         per_context = {r.get("context_index", i): r["prepare_s"] for i, r in enumerate(mine)}
         entry["prepare_s"] = _mean(list(per_context.values()))
         entry["contexts"] = len(per_context)
+        if any(r.get("refill_coverage") is not None for r in mine):
+            entry.update(metrics.refill_split(mine))
+            entry["refill_recall"] = _mean([r.get("refill_recall") for r in mine])
+            entry["refill_recall"] = None if entry["refill_recall"] is None else 100.0 * entry["refill_recall"]
+            ranks = sorted(r["refill_rank"] for r in mine if r.get("refill_rank") is not None)
+            entry["refill_rank_median"] = ranks[len(ranks) // 2] if ranks else None
         out[label] = entry
     base = out.get("full")
     for entry in out.values():  # cost ratios to `full`, the reference row
@@ -226,9 +232,32 @@ def markdown_table(summary: dict[str, Any]) -> str:
                 cells.append(_fmt(v, digits))
             out.append(f"| {label} | {e['n']} | " + " | ".join(cells) + " |")
         out.append("")
+        out.extend(_refill_table(group))
     out.append("Metrics are means × 100. score = each example's primary metric; recall@k over the method's "
                "document ranking; evidence recall over the documents it kept. ROUGE-L: rouge-score rougeL F.")
     return "\n".join(out) + "\n"
+
+
+def _refill_table(group: dict[str, Any]) -> list[str]:
+    """The refilling rows read as recall × answered-when-found (empty when no row refills)."""
+    rows = {label: e for label, e in group.items() if e.get("refill_coverage") is not None}
+    if not rows:
+        return []
+
+    def part(e: dict[str, Any], name: str) -> str:
+        if e.get(f"score_when_{name}") is None:
+            return "– (n=0)"
+        low, high = e[f"score_when_{name}_ci"]
+        return f"{e[f'score_when_{name}']:.1f} ({low:.0f}–{high:.0f}, n={e[f'score_when_{name}_n']})"
+
+    out = ["| method | recall (overlap) | coverage (tokens) | whole evidence | median rank | "
+           "score when refilled | score when missed |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, e in rows.items():
+        out.append(f"| {label} | {_fmt(e.get('refill_recall'))} | {_fmt(e['refill_coverage'])} | "
+                   f"{_fmt(e['refill_covered'])} | {_fmt(e.get('refill_rank_median'))} | {part(e, 'refilled')} | "
+                   f"{part(e, 'missed')} |")
+    out.append("")
+    return out
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

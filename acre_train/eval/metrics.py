@@ -19,6 +19,7 @@ Per-example functions return a value in [0, 1]; ``aggregate`` reports means × 1
 
 from __future__ import annotations
 
+import random
 import re
 import string
 from collections import Counter
@@ -142,4 +143,39 @@ def aggregate(rows: Sequence[dict[str, float | None]]) -> dict[str, float | None
     for k in keys:
         vals = [r[k] for r in rows if r.get(k) is not None]
         out[k] = 100.0 * sum(vals) / len(vals) if vals else None
+    return out
+
+
+BOOTSTRAP = 2000
+
+
+def bootstrap_ci(values: list[float], seed: int = 0, rounds: int = BOOTSTRAP) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its 95 % percentile-bootstrap interval (resampling questions)."""
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(rounds))
+    return sum(values) / n, means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def refill_split(rows: Sequence[dict]) -> dict[str, float | int | list[float] | None]:
+    """Read a refilling row as recall × answered-when-found.
+
+    Over the rows that carry ``refill_coverage`` (the evidence is known): ``score_when_refilled`` /
+    ``score_when_missed`` (means × 100 of ``score`` where the whole evidence was, or was not, visible
+    after refilling), each with its ``_n`` and a 95 % bootstrap interval (``_ci``); and the means × 100
+    of overlap recall and token coverage.
+    """
+    known = [r for r in rows if r.get("refill_coverage") is not None]
+    out: dict[str, float | int | list[float] | None] = {}
+    for name, part in (("refilled", [r for r in known if r["refill_coverage"] >= 1.0]),
+                       ("missed", [r for r in known if r["refill_coverage"] < 1.0])):
+        values = [100.0 * r["score"] for r in part]
+        mean, low, high = bootstrap_ci(values)
+        out[f"score_when_{name}"] = mean if values else None
+        out[f"score_when_{name}_n"] = len(values)
+        out[f"score_when_{name}_ci"] = [low, high] if values else None
+    out["refill_coverage"] = 100.0 * sum(r["refill_coverage"] for r in known) / len(known) if known else None
+    out["refill_covered"] = 100.0 * sum(r["refill_coverage"] >= 1.0 for r in known) / len(known) if known else None
     return out

@@ -11,6 +11,9 @@ Layout (batch size 1, every tensor per layer stacked on dim 0):
   token would fall in the unfinished chunk (only when chunk sizes are not multiples of ``l``).
 * **Tail**: the token ids of the unfinished last chunk; they are re-run with every question, which
   continues that open chunk.
+* **Key boxes** (for the ``bounds`` scorer, infer/scorers.py): per scoring layer, the per-span min
+  and max of the raw keys rotated at their text positions (``[H_kv, m, D]`` each, on the device),
+  made on first use or by ``AcreEngine.build`` and saved with the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -58,6 +61,7 @@ class BiLayerCache:
     carry: int  # raw tokens counted towards the next L1 group when the tail starts
     num_context_tokens: int
     context_digest: str = ""  # SHA-256 of the context's token ids: a saved cache names what it holds
+    boxes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # "layer:sinks" -> (min, max)
 
     @property
     def num_l1(self) -> int:
@@ -71,9 +75,33 @@ class BiLayerCache:
     def num_pending(self) -> int:
         return self.num_l2 - int(self.span_bounds[-1])
 
+    def l2_keys_rotated(self, model: nn.Module, layer: int) -> torch.Tensor:
+        """One layer's raw keys ``[H_kv, N2, D]`` rotated at their text positions ``0..N2-1`` (on the
+        model's device: the ``l2`` scorer gathers them per question)."""
+        keys = self.l2_keys[layer].to(self.l1_keys.device, non_blocking=True)
+        return Rope.of(model).rotate(keys, torch.arange(self.num_l2))
+
+    def sink_tokens(self, sinks: int) -> torch.Tensor:
+        """``[N2]`` bool: the first ``sinks`` tokens of the context and of every chunk."""
+        from .scorers import sink_mask
+
+        return sink_mask(self.num_l2, self.settings.first_chunk, self.settings.stride, sinks)
+
+    def key_box(self, model: nn.Module, layer: int, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``bounds`` scorer's per-span key box at ``layer`` (sink tokens left out), made once."""
+        from .scorers import key_bounds
+
+        name = f"{layer}:{sinks}"
+        if name not in self.boxes:
+            ignore = self.sink_tokens(sinks) if sinks else None
+            low, high = key_bounds(self.l2_keys_rotated(model, layer), self.span_bounds, ignore)
+            self.boxes[name] = (low.to(self.l1_keys.device), high.to(self.l1_keys.device))
+        return self.boxes[name]
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes held on the accelerator (L1) and in CPU memory (L2)."""
-        l1 = sum(t.numel() * t.element_size() for t in (self.l1_keys, self.l1_keys_rot, self.l1_values))
+        """Bytes held on the accelerator (L1 and key boxes) and in CPU memory (L2)."""
+        boxes = [t for pair in self.boxes.values() for t in pair]
+        l1 = sum(t.numel() * t.element_size() for t in (self.l1_keys, self.l1_keys_rot, self.l1_values, *boxes))
         l2 = sum(t.numel() * t.element_size() for t in (self.l2_keys, self.l2_values))
         return {"l1": l1, "l2": l2}
 
@@ -96,6 +124,8 @@ class BiLayerCache:
             "l2_keys": self.l2_keys, "l2_values": self.l2_values, "span_bounds": self.span_bounds,
             "tail_ids": torch.tensor(self.tail_ids, dtype=torch.int64),
         }
+        for name, (low, high) in self.boxes.items():
+            tensors[f"box.{name}.min"], tensors[f"box.{name}.max"] = low, high
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
                 "carry": self.carry, "num_context_tokens": self.num_context_tokens,
@@ -145,12 +175,15 @@ class BiLayerCache:
             raise CacheMismatchError(f"{path}: the stored tensors do not match their checksum (a damaged file); rebuild it")
         device = _device_of(model)
         l1_keys = t["l1_keys"].to(device)
+        boxes = {key[4:-4]: (t[key].to(device), t[key[:-4] + ".max"].to(device))
+                 for key in t if key.startswith("box.") and key.endswith(".min")}
         return cls(
             settings=settings, fingerprint=meta["fingerprint"], l1_keys=l1_keys,
             l1_keys_rot=Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])),
             l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
             span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
             num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
+            boxes=boxes,
         )
 
 

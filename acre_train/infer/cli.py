@@ -27,7 +27,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("refilling and decoding (per question)")
     g.add_argument("--working-window", type=int, default=None, help="W, max L1 entries + refilled tokens")
     g.add_argument("--max-refill", type=int, default=None, help="eta, max refilled raw tokens")
-    g.add_argument("--scoring-layers", type=int, nargs="+", default=None, help="layers that score (default: -1, the last)")
+    g.add_argument("--scorer", default=None, metavar="SPEC",
+                   help="how spans are ranked: l1 | l2 | bounds with options, e.g. 'l2:layers=3,heads=max,sinks=4' "
+                        "(default: the export's, written by 'acre-train calibrate'; else 'l1:layers=-1')")
+    g.add_argument("--scoring-layers", type=int, nargs="+", default=None, help="replace the scorer's layers")
+    g.add_argument("--neighbors", action=argparse.BooleanOptionalAction, default=None,
+                   help="each refilled span brings its better-scored neighbour (same budget k)")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=None)
@@ -50,7 +55,8 @@ def make_engine(args: argparse.Namespace):
     if tokenizer is None:
         raise ValueError(f"{args.export} holds no tokenizer files; re-export with --tokenizer (or save one beside the base)")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
-                                                "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers")}
+                                                "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers", "scorer",
+                                                "neighbors")}
     cache_settings, refill = inference_settings(data, overrides)
     return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
 
@@ -86,7 +92,8 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
         if args.save_cache:
             print(f"saved cache to {cache.save(args.save_cache)}")
     print(cache.summary())
-    print(f"settings: {engine.cache_settings}, W={engine.refill.working_window}, eta={engine.refill.max_refill}")
+    print(f"settings: {engine.cache_settings}, W={engine.refill.working_window}, eta={engine.refill.max_refill}, "
+          f"scorer {engine.refill.scorer.describe()}{' + neighbours' if engine.refill.neighbors else ''}")
     print("Ask questions about the context (empty line or Ctrl-D to quit).")
     while True:
         print("> ", end="", flush=True)

@@ -20,8 +20,9 @@ from ..modeling.interleave import interleave
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
 from ..data.prompt import PromptFormat
 from .decode import decode
-from .refill import assemble, num_selected, score_entries, select_entries
+from .refill import assemble, num_selected
 from ..modeling.rope import Rope
+from .scorers import QuestionQueries, ScorerSettings, forced_spans, rank_spans, select_spans
 from .settings import CacheSettings, RefillSettings
 
 
@@ -113,8 +114,13 @@ class AcreEngine:
     def build(self, context: str | Sequence[int], *, progress: bool | None = None) -> BiLayerCache:
         """Build the bi-layer cache of ``context`` (text, rendered into the user turn, or token ids)."""
         ids = self.prompt.context_ids(context) if isinstance(context, str) else list(context)
-        return build_cache(self.model, ids, self.cache_settings, working_window=self.refill.working_window,
-                           progress=progress, kernel_backend=self.backend)
+        cache = build_cache(self.model, ids, self.cache_settings, working_window=self.refill.working_window,
+                            progress=progress, kernel_backend=self.backend)
+        scorer = self.refill.scorer
+        if scorer.kind == "bounds":  # the boxes are part of the cache: made once, saved with it
+            for layer in scorer.resolved_layers(self.model.config.num_hidden_layers):
+                cache.key_box(self.model, layer, scorer.sinks)
+        return cache
 
     def load_cache(self, path) -> BiLayerCache:
         return BiLayerCache.load(path, self.model, self.cache_settings)
@@ -146,8 +152,11 @@ class AcreEngine:
         tic = time.perf_counter()
         scores = None
         if 0 < k < m:
-            scores = self.scores(cache, plan, num_tail=len(cache.tail_ids), layers=settings.scoring_layers)
-            selected = select_entries(scores, k)
+            scorer = settings.scorer
+            layers = scorer.resolved_layers(self.model.config.num_hidden_layers)
+            queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
+            scores = rank_spans(self.model, cache, queries, scorer)
+            selected = select_spans(scores, k, neighbors=settings.neighbors, forced=forced_spans(cache, scorer))
         else:
             selected = torch.arange(k)  # all or nothing: no need to score
         timings["score_s"] = time.perf_counter() - tic
@@ -171,18 +180,25 @@ class AcreEngine:
                       selected=selected.tolist(), k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
                       timings=timings)
 
-    def scores(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int] = (-1,)) -> torch.Tensor:
-        """Relevance of every L1 entry for the question in ``plan`` (tail + question, interleaved).
-
-        The query runs as the open chunk over the L1 cache alone, exactly as the training plan has it
-        (L1 keys at memory positions ``j``, the chunk at ``m + i``); the question's raw tokens' query
-        states at the scoring layers are taken, and the forward stops after the last of them.
-        """
+    def scores(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int] = (-1,),
+               scorer: ScorerSettings | str | None = None) -> torch.Tensor:
+        """Relevance of every span for the question in ``plan`` (tail + question, interleaved): the
+        ``scorer`` (default: the paper's L1-key scorer at ``layers``) on the scoring pass's queries."""
         n_layers = self.model.config.num_hidden_layers
-        wanted = sorted({layer % n_layers for layer in layers})
-        if any(not -n_layers <= layer < n_layers for layer in layers):
-            raise ValueError(f"scoring layers {tuple(layers)} out of range for a {n_layers}-layer model")
-        rows = torch.as_tensor(np.nonzero(plan.raw_index >= num_tail)[0], device=self.device)
+        scorer = ScorerSettings(layers=tuple(layers)) if scorer is None else ScorerSettings.parse(scorer)
+        queries = self.question_queries(cache, plan, num_tail=num_tail, layers=scorer.resolved_layers(n_layers))
+        return rank_spans(self.model, cache, queries, scorer)
+
+    def question_queries(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int]) -> QuestionQueries:
+        """The question's query states at ``layers`` (indices ``0..L-1``) for ranking spans.
+
+        The tail and question run as the open chunk over the L1 cache alone, exactly as the training
+        plan has it (L1 keys at memory positions ``j``, the chunk at ``m + i``); the question's raw
+        tokens' rotated queries are taken, and the forward stops after the last wanted layer.
+        """
+        wanted = sorted(set(layers))
+        rows_np = np.nonzero(plan.raw_index >= num_tail)[0]
+        rows = torch.as_tensor(rows_np, device=self.device)
         queries: dict[int, torch.Tensor] = {}
 
         def capture(layer: int, query: torch.Tensor, _key: torch.Tensor, _value: torch.Tensor) -> None:
@@ -197,7 +213,9 @@ class AcreEngine:
                           capture=capture)
         except _StopForward:
             pass
-        return score_entries([queries[layer] for layer in wanted], [cache.l1_keys_rot[layer] for layer in wanted])
+        return QuestionQueries(by_layer=queries,
+                               memory_positions=torch.as_tensor(plan.positions[rows_np] + m, dtype=torch.long),
+                               text_positions=torch.as_tensor(plan.raw_index[rows_np] + cache.num_l2, dtype=torch.long))
 
     # --------------------------------------------------------------------------------- internals
 

@@ -10,27 +10,18 @@ import torch
 from torch import nn
 
 from .cache import BiLayerCache
+from .scorers import score_l1, select_spans
 from ..modeling.rope import Rope
 
 
 def score_entries(queries: list[torch.Tensor], keys: list[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-    """One relevance score per L1 entry.
+    """The paper's score, one per L1 entry: :func:`scorers.score_l1` with the mean over heads.
 
     ``queries[i]``: rotated query states ``[H, n, D]`` of the question tokens at scoring layer ``i``;
     ``keys[i]``: that layer's L1 keys ``[H_kv, m, D]``, rotated at the positions the queries saw
-    them. Logits ``q·k / sqrt(D)`` (true division), softmax over the ``m`` entries, mean over heads
-    and query tokens, then over layers. Computed in fp32 whatever the model dtype. ``temperature``
-    divides the logits (the refill-aware training loss may sharpen or soften; inference uses 1).
+    them. Softmax over the ``m`` entries, mean over heads and query tokens, then over layers (fp32).
     """
-    per_layer = []
-    for q, k in zip(queries, keys, strict=True):
-        group = q.shape[0] // k.shape[0]  # GQA: query head h reads KV head h // group
-        k = k.repeat_interleave(group, dim=0).float()
-        logits = torch.matmul(q.float(), k.transpose(1, 2)) / math.sqrt(q.shape[-1])
-        if temperature != 1.0:
-            logits = logits / temperature
-        per_layer.append(torch.softmax(logits, dim=-1).mean(dim=(0, 1)))
-    return torch.stack(per_layer).mean(dim=0)
+    return score_l1(queries, keys, "mean", temperature)
 
 
 def num_selected(num_l1: int, interval: int, working_window: int, max_refill: int) -> int:
@@ -49,10 +40,7 @@ def num_selected(num_l1: int, interval: int, working_window: int, max_refill: in
 
 def select_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` highest scores, sorted by position (text order)."""
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.long)
-    top = torch.topk(scores.float().cpu(), k).indices
-    return torch.sort(top).values
+    return select_spans(scores, k)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..modeling.geometry import WindowGeometry
+from .scorers import ScorerSettings
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
 _PAPER = WindowGeometry()
@@ -35,15 +36,17 @@ class CacheSettings:
 
 @dataclass(frozen=True)
 class RefillSettings:
-    """Per-question settings: working window ``W``, max refill length ``eta``, scoring layers, decoding.
+    """Per-question settings: working window ``W``, max refill length ``eta``, the scorer, decoding.
 
-    ``scoring_layers``: layer indices whose query states score the L1 entries (negative counts from
-    the end; default: the last layer). Scores are averaged over these layers.
+    ``scorer``: how spans are ranked (:class:`ScorerSettings`, or its spec string such as
+    ``"l2:layers=3,heads=max,sinks=4"``; default: the paper's L1-key scorer at the last layer).
+    ``neighbors``: each chosen span brings its better-scored neighbour, within the same ``k``.
     """
 
     working_window: int = DEFAULT_WORKING_WINDOW
     max_refill: int = DEFAULT_MAX_REFILL
-    scoring_layers: tuple[int, ...] = (-1,)
+    scorer: ScorerSettings = field(default_factory=ScorerSettings)
+    neighbors: bool = False
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -54,10 +57,9 @@ class RefillSettings:
     def __post_init__(self) -> None:
         if self.working_window < 1 or self.max_refill < 0:
             raise ValueError("working_window must be >= 1 and max_refill >= 0")
-        if not self.scoring_layers:
-            raise ValueError("scoring_layers must name at least one layer")
+        object.__setattr__(self, "scorer", ScorerSettings.parse(self.scorer))
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
 
     def replace(self, **changes: Any) -> "RefillSettings":
-        return RefillSettings(**{**asdict(self), **changes})
+        return RefillSettings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})

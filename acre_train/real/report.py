@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .study import RealStudy
 
-BOOTSTRAP = 2000
-
-
-def bootstrap_ci(values: list[float], seed: int = 0, rounds: int = BOOTSTRAP) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its 95 % percentile-bootstrap interval (resampling questions)."""
-    if not values:
-        return float("nan"), float("nan"), float("nan")
-    rng = random.Random(seed)
-    n = len(values)
-    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(rounds))
-    return sum(values) / n, means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+from ..eval.metrics import bootstrap_ci
 
 
 def _rows(cell: Path) -> list[dict[str, Any]]:

@@ -9,11 +9,16 @@ sees the L1 cache and the raw tail only.
 Settings left at ``0`` come from the model's export (``config.acre.inference``), else the paper's
 inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``W0 = 4096, S = 2048``.
 
+The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``;
+infer/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
+without ``scorer`` the other options change the stored one.
+
 ``kv_attended`` counts what the first generated token attends to per layer: L1 entries, refilled raw
 tokens, and the open chunk (raw tail, question and their L1 tokens). ``refill_recall`` is the share
 of the evidence (needles holding a gold answer, or gold documents) that a refilled span or the raw tail
-reached, next to ``refill_visible_share``, the share of the context so made visible (what a random
-choice of as many spans would reach on average).
+*overlapped*; ``refill_coverage`` the share of the evidence's tokens that were visible (a needle cut
+in two by a span boundary and refilled by half counts 0.5); ``refill_visible_share`` the share of the
+context so made visible (what a random choice of as many spans would reach on average).
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class Acre(EvalMethod):
     interval: int = 0
     working_window: int = 0
     max_refill: int = -1  # -1: the export's default; 0 disables refilling (acre-l1)
+    scorer: str = ""  # l1 | l2 | bounds ("": the export's)
+    layers: str = ""  # scoring layers, "7+9"
+    heads: str = ""  # mean | max
+    sinks: int = -1
+    keep_sinks: int = -1
+    neighbors: int = -1
 
     def check(self) -> None:
         for key in ("first_chunk", "stride", "interval", "working_window"):
@@ -46,6 +57,25 @@ class Acre(EvalMethod):
                 raise ValueError(f"{key} must be >= 0 (0: the export's default), got {getattr(self, key)}")
         if self.max_refill < -1:
             raise ValueError(f"max_refill must be >= 0 (-1: the export's default), got {self.max_refill}")
+        self.scorer_settings(None)  # a bad scorer option fails when the row is parsed
+
+    def scorer_settings(self, stored):
+        """The row's scorer: ``scorer=`` starts afresh, other options change ``stored`` (the export's)."""
+        from dataclasses import replace
+
+        from ...infer.scorers import ScorerSettings
+
+        base = ScorerSettings(kind=self.scorer) if self.scorer else (stored or ScorerSettings())
+        changes = {}
+        if self.layers:
+            changes["layers"] = ScorerSettings.parse(f"l1:layers={self.layers}").layers
+        if self.heads:
+            changes["heads"] = self.heads
+        if self.sinks >= 0:
+            changes["sinks"] = self.sinks
+        if self.keep_sinks >= 0:
+            changes["keep_sinks"] = bool(self.keep_sinks)
+        return replace(base, **changes)
 
     def overrides(self) -> dict[str, int]:
         """This row's options that replace the export's stored geometry."""
@@ -69,6 +99,8 @@ class Acre(EvalMethod):
         if not is_acre_model(model):
             raise ValueError(f"method {self.name!r} needs an ACRE model (an 'acre-train export' folder)")
         cache_settings, refill = inference_settings(model.config, self.overrides())
+        refill = refill.replace(scorer=self.scorer_settings(refill.scorer),
+                                neighbors=bool(self.neighbors) if self.neighbors >= 0 else refill.neighbors)
         engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
@@ -88,6 +120,7 @@ class Acre(EvalMethod):
             ttft_s=t.get("score_s", 0.0) + t.get("refill_s", 0.0) + t.get("prefill_s", 0.0),
         )
         extra = {"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected,
+                 "acre_scorer": engine.refill.scorer.describe() + (",neighbors" if engine.refill.neighbors else ""),
                  **refill_recall(tokenizer, example, cache, ans.selected, ans.scores)}
         return MethodResult(prediction=decode_text(tokenizer, ans.token_ids, generation.stop_ids),
                             output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits, extra=extra)
@@ -119,26 +152,40 @@ def evidence_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int
 
 def refill_recall(tokenizer, example: PreparedExample, cache, selected: list[int],
                   scores=None) -> dict[str, Any]:
-    """Did refilling bring the evidence back? Share of evidence ranges that overlap a refilled span or
-    the raw tail (which the question always sees), and the share of the context that was so visible
-    (what a random choice of the same number of spans would reach on average). ``refill_rank``: where
-    the best-scored span holding evidence ranked among all spans (1 = first; None without scores or
-    when no finished span holds evidence)."""
-    evidence = evidence_token_ranges(tokenizer, example)
+    """Did refilling bring the evidence back? See :func:`evidence_visibility`."""
+    return evidence_visibility(evidence_token_ranges(tokenizer, example), cache, selected, scores)
+
+
+def evidence_visibility(evidence: list[tuple[int, int]], cache, selected: list[int], scores=None) -> dict[str, Any]:
+    """How much of the ``evidence`` (token ranges of the context) a question saw after refilling.
+
+    ``refill_recall``: share of evidence ranges that overlap a refilled span or the raw tail (which the
+    question always sees); ``refill_coverage``: share of evidence *tokens* so visible;
+    ``refill_visible_share``: share of the context visible (what a random choice of the same number
+    of spans would reach on average); ``refill_rank``: where the best-scored span holding evidence
+    ranked among all spans (1 = first; None without scores or when no finished span holds evidence).
+    """
     if not evidence:
-        return {"refill_recall": None, "refill_visible_share": None, "refill_rank": None}
+        return {"refill_recall": None, "refill_coverage": None, "refill_visible_share": None, "refill_rank": None}
     bounds = cache.span_bounds.tolist()
     n_ctx = cache.num_context_tokens
-    visible = [(bounds[j], bounds[j + 1]) for j in selected] + [(n_ctx - len(cache.tail_ids), n_ctx)]
-    hits = sum(any(a < vb and b > va for va, vb in visible) for a, b in evidence)
-    share = sum(vb - va for va, vb in visible) / max(1, n_ctx)
+    # Pending raw tokens (after the last span, before the tail) are always refilled, like the tail.
+    visible = [(bounds[j], bounds[j + 1]) for j in selected] + [(bounds[-1], n_ctx)]
+    seen = torch.zeros(n_ctx, dtype=torch.bool)
+    for a, b in visible:
+        seen[a:b] = True
+    hits = sum(bool(seen[a:b].any()) for a, b in evidence)
+    tokens = sum(b - a for a, b in evidence)
+    coverage = sum(int(seen[a:b].sum()) for a, b in evidence) / max(1, tokens)
+    share = float(seen.sum()) / max(1, n_ctx)
     rank = None
     if scores is not None:
         holding = [j for j in range(len(bounds) - 1) if any(a < bounds[j + 1] and b > bounds[j] for a, b in evidence)]
         if holding:
             order = torch.argsort(scores.float(), descending=True).tolist()
             rank = 1 + min(order.index(j) for j in holding)
-    return {"refill_recall": hits / len(evidence), "refill_visible_share": share, "refill_rank": rank}
+    return {"refill_recall": hits / len(evidence), "refill_coverage": coverage, "refill_visible_share": share,
+            "refill_rank": rank}
 
 
 @dataclass

@@ -1,0 +1,232 @@
+"""``acre-train calibrate EXPORT --data DEV``: pick the refill scorer on questions whose evidence is known.
+
+For every dev question the export's engine builds the context's bi-layer cache once (shared by the
+questions asked of it) and runs one scoring pass that captures the question's queries at every
+layer of the sweep. Every setting of the sweep (scorer × layer × head pooling × sink tokens × kept
+sinks × neighbour refill) then ranks and selects spans from those queries, at the export's geometry
+and budget ``k``, and is scored by what it brought back:
+
+* ``covered``: share of questions whose whole evidence was visible after refilling (the criterion);
+* ``coverage``: share of evidence tokens visible; ``recall``: share of evidence ranges overlapped;
+* ``rank``: median rank of the best-scored span holding evidence.
+
+The best setting (most ``covered``, then ``coverage``, then the lower median rank, then the simpler
+setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors``),
+which ``chat``, ``generate`` and ``eval`` then use; the whole table goes beside it
+(``calibration.json``, ``calibration.md``). Inference only: nothing is trained. Calibrate on a dev
+split (training articles, needles at other seeds), never on the questions you report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..infer.scorers import ScorerSettings
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the sweep."""
+
+    scorer: ScorerSettings
+    neighbors: bool
+
+    def describe(self) -> str:
+        return self.scorer.describe() + (" +neighbors" if self.neighbors else "")
+
+    def simplicity(self) -> tuple:
+        """Lower = simpler (the tie-break): fewer options switched on."""
+        s = self.scorer
+        return (int(self.neighbors) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean"), len(s.layers))
+
+
+def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), layers: Sequence[int] | None = None,
+          heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
+          neighbors: Sequence[bool] = (False, True)) -> list[Candidate]:
+    """The settings to compare. Default layers: every third layer and the last.
+
+    >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
+    8
+    """
+    layers = list(layers) if layers is not None else sorted({*range(0, num_layers, 3), num_layers - 1})
+    out = []
+    for kind, layer, pool, near in itertools.product(kinds, layers, heads, neighbors):
+        for sink, keep in ([(0, False)] if kind == "l1" else [(s, k) for s in sinks for k in ((False, True) if s else (False,))]):
+            out.append(Candidate(ScorerSettings(kind, (int(layer),), pool, int(sink), keep), bool(near)))
+    return out
+
+
+def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, overrides: dict[str, Any] | None = None,
+              chunk_tokens: int = 512, progress: bool = True) -> list[dict[str, Any]]:
+    """One row per candidate (``covered``, ``coverage``, ``recall``, ``rank``, ``n``), best first."""
+    from tqdm.auto import tqdm
+
+    from ..infer import AcreEngine
+    from ..infer.refill import num_selected
+    from ..infer.scorers import forced_spans, rank_spans, select_spans
+    from ..modeling.geometry import inference_settings
+    from ..modeling.interleave import interleave
+    from .harness import group_by_context
+    from .methods.acre import evidence_token_ranges, evidence_visibility
+    from .prompt import prepare_example
+
+    cache_settings, refill = inference_settings(model.config, overrides or {})
+    engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
+    n_layers = model.config.num_hidden_layers
+    wanted = sorted({x for c in candidates for x in c.scorer.resolved_layers(n_layers)})
+    tallies: list[list[dict[str, Any]]] = [[] for _ in candidates]
+    groups = group_by_context([prepare_example(tokenizer, ex, chunk_tokens) for ex in examples])
+    bar = tqdm(total=sum(len(g) for g in groups), desc="calibrate", unit="question", disable=not progress)
+    skipped, budgets = 0, []
+    for group in groups:
+        first = group[0]
+        cache = engine.build([*first.prefix_ids, *(t for d in first.doc_ids for t in d)], progress=False)
+        for prepared in group:
+            bar.update(1)
+            evidence = evidence_token_ranges(tokenizer, prepared)
+            q_ids = list(prepared.suffix_ids)
+            raw = cache.tail_ids + q_ids
+            plan = interleave(raw, first_chunk=len(raw), stride=len(raw), intervals=cache_settings.interval,
+                              carry_in=cache.carry)
+            k = num_selected(cache.num_l1, cache_settings.interval, refill.working_window, refill.max_refill)
+            if not evidence or not 0 < k < cache.num_l1:
+                skipped += 1
+                continue
+            budgets.append((k, cache.num_l1))
+            queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=wanted)
+            for tally, cand in zip(tallies, candidates):
+                scores = rank_spans(model, cache, queries, cand.scorer)
+                chosen = select_spans(scores, k, neighbors=cand.neighbors, forced=forced_spans(cache, cand.scorer))
+                tally.append(evidence_visibility(evidence, cache, chosen.tolist(), scores))
+    bar.close()
+    if not any(tallies):
+        raise ValueError(f"no dev question could rank spans ({skipped} skipped: no known evidence, or k is 0 "
+                         "or every span at this geometry); use longer contexts or examples with evidence")
+    rows = []
+    k_median, m_median = (sorted(b[i] for b in budgets)[len(budgets) // 2] for i in (0, 1))
+    for cand, tally in zip(candidates, tallies):
+        ranks = sorted(t["refill_rank"] for t in tally if t["refill_rank"] is not None)
+        rows.append({"setting": cand.describe(), "scorer": cand.scorer.as_dict(), "neighbors": cand.neighbors,
+                     "n": len(tally), "skipped": skipped, "k": k_median, "num_l1": m_median,
+                     "covered": 100.0 * sum(t["refill_coverage"] >= 1.0 for t in tally) / len(tally),
+                     "coverage": 100.0 * sum(t["refill_coverage"] for t in tally) / len(tally),
+                     "recall": 100.0 * sum(t["refill_recall"] for t in tally) / len(tally),
+                     "rank": ranks[len(ranks) // 2] if ranks else None, "_simple": cand.simplicity()})
+    rows.sort(key=lambda r: (-r["covered"], -r["coverage"], r["rank"] if r["rank"] is not None else 1e9, r["_simple"]))
+    for r in rows:
+        del r["_simple"]
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], top: int = 15) -> str:
+    """The best ``top`` settings, and the best of each scorer kind, as one table."""
+    best_of_kind = {}
+    for r in rows:
+        best_of_kind.setdefault(r["scorer"]["kind"], r)
+    shown = rows[:top] + [r for r in best_of_kind.values() if r not in rows[:top]]
+    out = ["| # | setting | whole evidence % | coverage % | overlap recall % | median rank |",
+           "|---:|---|---:|---:|---:|---:|"]
+    for r in shown:
+        out.append(f"| {rows.index(r) + 1} | `{r['setting']}` | {r['covered']:.1f} | {r['coverage']:.1f} | "
+                   f"{r['recall']:.1f} | {r['rank'] if r['rank'] is not None else '–'} |")
+    return "\n".join(out) + "\n"
+
+
+def write_choice(export: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Store the best setting in ``export/config.json`` and the table beside it (each file atomically)."""
+    from ..train.checkpoint import write_text_atomic
+
+    best = rows[0]
+    config_path = export / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    inference = config.setdefault("acre", {}).setdefault("inference", {})
+    inference["scorer"], inference["neighbors"] = best["scorer"], best["neighbors"]
+    write_text_atomic(export / "calibration.json", json.dumps({**meta, "chosen": best["setting"], "rows": rows}, indent=2) + "\n")
+    write_text_atomic(export / "calibration.md", f"# Refill scorer calibration\n\n{meta['data']}: {best['n']} questions, "
+                      f"k = {meta['k']} of {meta['num_l1']} spans (medians); chosen: `{best['setting']}`\n\n" + markdown(rows))
+    write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")
+    return best
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("export", help="a folder written by 'acre-train export'")
+    parser.add_argument("--data", required=True,
+                        help="dev questions with known evidence: a task JSONL file (rows with 'gold_spans'), or "
+                             "built-ins: squad (with --squad), niah_multikey, niah_single, ... Never the eval split.")
+    parser.add_argument("--squad", default=None, help="SQuAD JSON for --data squad (e.g. the training articles)")
+    parser.add_argument("--context-tokens", type=int, default=2048, help="built-in data: context length (default: 2048)")
+    parser.add_argument("--num-examples", type=int, default=100, help="built-in data: questions (default: 100)")
+    parser.add_argument("--seed", type=int, default=1000,
+                        help="built-in data: seed (default: 1000; use one your evaluation does not)")
+    parser.add_argument("--questions-per-context", type=int, default=4,
+                        help="built-in squad / niah_multikey: questions sharing one cache (default: 4)")
+    parser.add_argument("--scorers", default="l1,l2,bounds", help="scorer kinds to sweep (default: l1,l2,bounds)")
+    parser.add_argument("--layers", default=None, help="layers to sweep, e.g. 3,7,9,23 (default: every third and the last)")
+    parser.add_argument("--heads", default="mean,max", help="head pooling to sweep (default: mean,max)")
+    parser.add_argument("--sinks", default="0,4", help="sink tokens per chunk start to sweep (default: 0,4)")
+    parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
+    parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import user_errors
+
+    return user_errors(_run)(args)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace("+", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} takes comma-separated integers, got {text!r}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..infer.load import check_export_dir, load_export
+    from ..modeling.geometry import inference_settings
+    from .tasks import resolve_tasks
+
+    export = Path(args.export)
+    check_export_dir(export)
+    kinds = [k.strip() for k in args.scorers.split(",") if k.strip()]
+    heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, data = load_export(export, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    if tokenizer is None:
+        raise ValueError(f"{export} holds no tokenizer files; re-export it with its tokenizer")
+    n_layers = model.config.num_hidden_layers
+    candidates = sweep(n_layers, kinds=kinds, layers=_ints(args.layers, "layers") if args.layers else None,
+                       heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")])
+    for c in candidates:  # a layer out of range fails before any cache is built
+        c.scorer.resolved_layers(n_layers)
+    examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,
+                             squad_path=args.squad, questions_per_context=args.questions_per_context)
+    print(f"calibrating {len(candidates)} settings on {len(examples)} dev questions ({args.data})")
+    tic = time.perf_counter()
+    rows = calibrate(model, tokenizer, examples, candidates, progress=not args.no_progress)
+    seconds = time.perf_counter() - tic
+    print(markdown(rows))
+    _, refill = inference_settings(data)
+    meta = {"data": args.data, "squad": args.squad, "context_tokens": args.context_tokens, "seed": args.seed,
+            "k": rows[0]["k"], "num_l1": rows[0]["num_l1"], "seconds": round(seconds, 1), "before": refill.scorer.describe() + (" +neighbors" if refill.neighbors else "")}
+    print(f"{rows[0]['n']} questions in {seconds:.0f}s; best: {rows[0]['setting']} "
+          f"(whole evidence {rows[0]['covered']:.1f} %, was {meta['before']})")
+    if args.dry_run:
+        print("dry run: the export is unchanged")
+        return 0
+    write_choice(export, rows, meta)
+    print(f"wrote the chosen scorer into {export / 'config.json'}; table: {export / 'calibration.md'}")
+    return 0

@@ -1,0 +1,335 @@
+"""Refill scorers: how a question ranks the spans of a bi-layer cache (``refill.scorer``).
+
+Three scorers, one score per L1 entry (per span), higher = refill first:
+
+* ``l1`` (the paper's): the question's attention over the **L1 keys** (softmax over the ``m``
+  entries), at the queries' memory positions.
+* ``l2``: the question's attention over the **raw keys** of the context (softmax over every L2
+  token, the query placed after the context and each key at its text position), summed per span.
+  It reads one layer's L2 keys per scoring layer (CPU memory; on a GPU node they are gathered to
+  the device per question: ``layers × N2 × H_kv × D`` elements).
+* ``bounds`` (Quest-style): per span, per KV head and channel, the min and max of the raw keys
+  rotated at their text positions; the span's logit is the upper bound ``Σ_c max(q_c·min_c,
+  q_c·max_c) / sqrt(D)`` and the softmax runs over spans. Two vectors per span per layer, built
+  once per cache (and saved in it); nothing else is read per question.
+
+Each scorer pools the query heads (``heads: mean | max``), averages over the question's tokens and
+then over the scoring layers. Raw-key attention is pulled to *attention sinks*, the first tokens of
+the context and of every chunk; ``sinks: N`` leaves the first ``N`` tokens of each out of the
+ranking (out of the softmax for ``l2``, out of the box for ``bounds``), and ``keep_sinks`` refills
+the spans holding them anyway (they then count against ``k``).
+
+Every score is computed in fp32 whatever the model dtype. The tests keep a per-token, per-head
+loop as the reference for each scorer.
+
+>>> ScorerSettings.parse("l2:layers=7+9,heads=max,sinks=4").describe()
+'l2:layers=7+9,heads=max,sinks=4'
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
+
+import torch
+
+KINDS = ("l1", "l2", "bounds")
+POOLS = ("mean", "max")
+
+
+@dataclass(frozen=True)
+class ScorerSettings:
+    """Which scorer ranks the spans, at which layers, pooled how (see the module docstring)."""
+
+    kind: str = "l1"
+    layers: tuple[int, ...] = (-1,)
+    heads: str = "mean"
+    sinks: int = 0
+    keep_sinks: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown scorer {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.heads not in POOLS:
+            raise ValueError(f"scorer heads must be one of {', '.join(POOLS)}, got {self.heads!r}")
+        if not self.layers:
+            raise ValueError("a scorer needs at least one layer")
+        if self.sinks < 0:
+            raise ValueError(f"scorer sinks must be >= 0, got {self.sinks}")
+        if self.kind == "l1" and (self.sinks or self.keep_sinks):
+            raise ValueError("sinks/keep_sinks apply to the raw-key scorers (l2, bounds), not to l1")
+
+    # ------------------------------------------------------------------------------ spellings
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["layers"] = list(self.layers)
+        return out
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ScorerSettings":
+        """From an export's ``inference.scorer`` section (unknown keys fail with a suggestion)."""
+        known = [f.name for f in fields(cls)]
+        picked = {}
+        for key, value in values.items():
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+                raise ValueError(f"unknown scorer setting {key!r}{hint}")
+            picked[key] = value
+        if "layers" in picked:
+            picked["layers"] = _layers(picked["layers"])
+        if "keep_sinks" in picked:
+            picked["keep_sinks"] = _flag(picked["keep_sinks"])
+        if "sinks" in picked:
+            picked["sinks"] = int(picked["sinks"])
+        return cls(**picked)
+
+    @classmethod
+    def parse(cls, spec: str | Mapping[str, Any] | "ScorerSettings") -> "ScorerSettings":
+        """``"l2:layers=7+9,heads=max,sinks=4"`` (kind, then comma-separated options) -> settings."""
+        if isinstance(spec, ScorerSettings):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls.from_mapping(spec)
+        kind, _, rest = str(spec).strip().partition(":")
+        values: dict[str, Any] = {"kind": kind.strip()}
+        for part in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(f"scorer option {part!r} is not key=value (in {spec!r})")
+            values[key.strip()] = value.strip()
+        return cls.from_mapping(values)
+
+    def describe(self) -> str:
+        """The spec string ``parse`` reads back (defaults left out)."""
+        opts = [f"layers={'+'.join(str(x) for x in self.layers)}"]
+        if self.heads != "mean":
+            opts.append(f"heads={self.heads}")
+        if self.sinks:
+            opts.append(f"sinks={self.sinks}")
+        if self.keep_sinks:
+            opts.append("keep_sinks=1")
+        return f"{self.kind}:{','.join(opts)}"
+
+    def resolved_layers(self, num_layers: int) -> list[int]:
+        """The scoring layers as indices ``0..L-1`` (sorted, unique); out of range is an error."""
+        if any(not -num_layers <= x < num_layers for x in self.layers):
+            raise ValueError(f"scoring layers {self.layers} out of range for a {num_layers}-layer model")
+        return sorted({x % num_layers for x in self.layers})
+
+
+def _layers(value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        return tuple(int(x) for x in value.replace("+", " ").replace(",", " ").split())
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(x) for x in value)
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a yes/no value, got {value!r}")
+    return bool(value)
+
+
+# ------------------------------------------------------------------------------------ geometry
+
+def sink_mask(num_tokens: int, first_chunk: int, stride: int, sinks: int) -> torch.Tensor:
+    """``[N]`` bool: the first ``sinks`` tokens of the context and of every chunk (text positions).
+
+    >>> sink_mask(10, 4, 3, 1).nonzero().flatten().tolist()
+    [0, 4, 7]
+    """
+    t = torch.arange(num_tokens)
+    if sinks <= 0:
+        return torch.zeros(num_tokens, dtype=torch.bool)
+    later = (t >= first_chunk) & ((t - first_chunk) % stride < sinks)
+    return (t < sinks) | later
+
+
+def spans_with(mask: torch.Tensor, span_bounds: torch.Tensor) -> torch.Tensor:
+    """``[m]`` bool: spans holding at least one ``True`` token of ``mask`` (on the L2 axis)."""
+    counts = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), mask.long()]), 0)
+    return counts[span_bounds[1:]] > counts[span_bounds[:-1]]
+
+
+def _pool(probs: torch.Tensor, heads: str) -> torch.Tensor:
+    """``[H, n, m]`` -> ``[m]``: pool heads, then mean over the question's tokens."""
+    pooled = probs.amax(dim=0) if heads == "max" else probs.mean(dim=0)
+    return pooled.mean(dim=0)
+
+
+def _expand(keys: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """GQA: query head ``h`` reads KV head ``h // group``."""
+    return keys.repeat_interleave(num_heads // keys.shape[0], dim=0).float()
+
+
+# --------------------------------------------------------------------------------------- scores
+
+def score_l1(queries: Sequence[torch.Tensor], l1_keys_rot: Sequence[torch.Tensor], heads: str = "mean",
+             temperature: float = 1.0) -> torch.Tensor:
+    """``queries[i] [H, n, D]`` (rotated at memory positions), ``l1_keys_rot[i] [H_kv, m, D]`` -> ``[m]``.
+
+    ``temperature`` divides the logits (the refill-aware training loss may sharpen; inference uses 1).
+    """
+    per_layer = []
+    for q, k in zip(queries, l1_keys_rot, strict=True):
+        logits = torch.matmul(q.float(), _expand(k, q.shape[0]).transpose(1, 2)) / math.sqrt(q.shape[-1])
+        if temperature != 1.0:
+            logits = logits / temperature
+        per_layer.append(_pool(torch.softmax(logits, dim=-1), heads))
+    return torch.stack(per_layer).mean(dim=0)
+
+
+def score_l2(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor], span_bounds: torch.Tensor,
+             heads: str = "mean", ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw-key attention mass per span.
+
+    ``queries[i] [H, n, D]`` rotated at their text positions (after the context); ``l2_keys_rot[i]
+    [H_kv, N2, D]`` rotated at ``0..N2-1``; ``ignore [N2]`` bool: tokens left out of the softmax.
+    """
+    bounds = span_bounds.to(torch.long)
+    per_layer = []
+    for q, k in zip(queries, l2_keys_rot, strict=True):
+        k = k.to(q.device)
+        logits = torch.matmul(q.float(), _expand(k, q.shape[0]).transpose(1, 2)) / math.sqrt(q.shape[-1])
+        if ignore is not None and bool(ignore.any()):
+            logits = logits.masked_fill(ignore.to(logits.device), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        # Sum per span through a prefix sum over the L2 axis (spans are contiguous).
+        csum = torch.cat([probs.new_zeros(*probs.shape[:2], 1), probs.cumsum(-1)], dim=-1)
+        b = bounds.to(probs.device)
+        per_span = csum[..., b[1:]] - csum[..., b[:-1]]
+        per_layer.append(_pool(per_span, heads))
+    return torch.stack(per_layer).mean(dim=0)
+
+
+def key_bounds(l2_keys_rot: torch.Tensor, span_bounds: torch.Tensor, ignore: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per span, KV head and channel: ``(min, max)`` of the rotated raw keys, each ``[H_kv, m, D]``.
+
+    Tokens in ``ignore`` are left out; a span with no token left gets an empty box (min = +inf,
+    max = -inf), which :func:`score_bounds` ranks last.
+    """
+    keys = l2_keys_rot.float()
+    h, _, d = keys.shape
+    m = len(span_bounds) - 1
+    owner = torch.repeat_interleave(torch.arange(m), torch.diff(span_bounds))  # span of every token
+    n = len(owner)
+    keys = keys[:, :n]
+    if ignore is not None:
+        keep = ~ignore[:n]
+        keys, owner = keys[:, keep], owner[keep]
+    index = owner[None, :, None].expand(h, -1, d).to(keys.device)
+    low = keys.new_full((h, m, d), float("inf")).scatter_reduce(1, index, keys, "amin")
+    high = keys.new_full((h, m, d), float("-inf")).scatter_reduce(1, index, keys, "amax")
+    return low, high
+
+
+def score_bounds(queries: Sequence[torch.Tensor], boxes: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 heads: str = "mean") -> torch.Tensor:
+    """Quest's upper bound per span: ``queries[i] [H, n, D]`` at text positions, ``boxes[i]`` from
+    :func:`key_bounds`; softmax of the bound logits over spans, pooled like the other scorers."""
+    per_layer = []
+    for q, (low, high) in zip(queries, boxes, strict=True):
+        q = q.float()
+        low, high = _expand(low.to(q.device), q.shape[0]), _expand(high.to(q.device), q.shape[0])
+        empty = torch.isinf(low[..., 0])  # [H, m]: spans with no token in their box
+        low, high = low.masked_fill(torch.isinf(low), 0.0), high.masked_fill(torch.isinf(high), 0.0)
+        # max(q_c * lo_c, q_c * hi_c) = hi_c when q_c >= 0, else lo_c: two matmuls on split queries.
+        pos, neg = q.clamp(min=0), q.clamp(max=0)
+        bound = torch.matmul(pos, high.transpose(1, 2)) + torch.matmul(neg, low.transpose(1, 2))
+        logits = (bound / math.sqrt(q.shape[-1])).masked_fill(empty[:, None, :], float("-inf"))
+        per_layer.append(_pool(torch.softmax(logits, dim=-1), heads))
+    return torch.stack(per_layer).mean(dim=0)
+
+
+# ------------------------------------------------------------------------------------ selection
+
+def select_spans(scores: torch.Tensor, k: int, *, neighbors: bool = False,
+                 forced: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``k`` spans to refill, in text order.
+
+    Plain: the ``k`` best scores. ``neighbors``: walk the spans best first; each one taken brings the
+    better-scored of its two neighbours (while the budget lasts), so evidence that straddles a span
+    boundary comes back whole. ``forced`` ``[m]`` bool: spans taken first, whatever their score.
+
+    >>> select_spans(torch.tensor([0.1, 0.5, 0.3, 0.0, 0.2]), 2).tolist()
+    [1, 2]
+    >>> select_spans(torch.tensor([0.1, 0.5, 0.0, 0.3, 0.2]), 4, neighbors=True).tolist()
+    [0, 1, 3, 4]
+    """
+    scores = scores.float().cpu()
+    m = scores.numel()
+    k = max(0, min(k, m))
+    taken = torch.zeros(m, dtype=torch.bool)
+    if forced is not None:
+        for j in torch.nonzero(forced.cpu()).flatten().tolist()[:k]:
+            taken[j] = True
+    budget = k - int(taken.sum())
+    if budget > 0 and not neighbors:
+        rest = scores.masked_fill(taken, float("-inf"))
+        taken[torch.topk(rest, budget).indices] = True
+    elif budget > 0:
+        for j in torch.argsort(scores, descending=True, stable=True).tolist():
+            if budget == 0:
+                break
+            if taken[j]:
+                continue
+            taken[j] = True
+            budget -= 1
+            near = [i for i in (j - 1, j + 1) if 0 <= i < m and not taken[i]]
+            if near and budget > 0:
+                best = max(near, key=lambda i: (float(scores[i]), -i))
+                taken[best] = True
+                budget -= 1
+    return torch.nonzero(taken).flatten()
+
+
+# ------------------------------------------------------------------------------- on a cache
+
+@dataclass
+class QuestionQueries:
+    """The question's rotated query states from the engine's scoring pass, per captured layer.
+
+    ``memory_positions``: where the scoring pass rotated them (after the L1 entries);
+    ``text_positions``: where the question sits in the text (after the whole context).
+    """
+
+    by_layer: dict[int, torch.Tensor]  # layer -> [H, n, D]
+    memory_positions: torch.Tensor  # [n]
+    text_positions: torch.Tensor  # [n]
+
+
+def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -> torch.Tensor:
+    """One score per span of ``cache`` (``[m]``) with ``scorer``; ``queries`` must hold its layers."""
+    from ..modeling.rope import Rope
+
+    layers = scorer.resolved_layers(model.config.num_hidden_layers)
+    missing = [x for x in layers if x not in queries.by_layer]
+    if missing:
+        raise ValueError(f"the scoring pass captured no queries at layers {missing}")
+    qs = [queries.by_layer[x].float() for x in layers]
+    if scorer.kind == "l1":
+        return score_l1(qs, [cache.l1_keys_rot[x] for x in layers], scorer.heads)
+    rope = Rope.of(model)
+    qs = [rope.reposition(q, queries.memory_positions, queries.text_positions) for q in qs]
+    if scorer.kind == "l2":
+        ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None
+        return score_l2(qs, [cache.l2_keys_rotated(model, x) for x in layers], cache.span_bounds, scorer.heads, ignore)
+    return score_bounds(qs, [cache.key_box(model, x, scorer.sinks) for x in layers], scorer.heads)
+
+
+def forced_spans(cache, scorer: ScorerSettings) -> torch.Tensor | None:
+    """``[m]`` bool: the spans ``keep_sinks`` refills whatever their score (None: none)."""
+    if not (scorer.keep_sinks and scorer.sinks):
+        return None
+    return spans_with(cache.sink_tokens(scorer.sinks), cache.span_bounds)

@@ -1,0 +1,140 @@
+"""The scorer study on the real 0.5B base: calibrate on dev questions, then compare scorers on held-out ones.
+
+Not part of the installed package. Run from a checkout after ``acre-train base fetch
+qwen2.5-coder-0.5b-instruct``::
+
+    python studies/scorer/run.py --squad ../shared/data/squad-v2-dev.json --root checkpoints/scorer-study
+
+Steps (each skipped when its output exists, so a killed run resumes at the step it was in):
+
+1. export the stage-1+2 (120 + 120 steps) LoRA adapter kept in docs/real-base/adapters onto the base,
+   one copy per (length, task) so each carries its own calibrated scorer;
+2. ``acre-train calibrate`` on the dev split: SQuAD *training* articles (even index) and needles at
+   seed 1000 (the evaluation uses 777-779);
+3. evaluate the held-out cell (SQuAD odd-index articles, needles at seeds 777-779; 3 × 40 = 120
+   questions) with full attention, truncation to ACRE's budget, today's ``l1`` scorer and the
+   calibrated one; the cell folder (predictions, summary, table) is copied into docs/real-base/scorer/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+ADAPTER = REPO / "docs/real-base/adapters/stage2-lora-step120+120.safetensors"
+BASE = "base:qwen2.5-coder-0.5b-instruct"
+CELLS = {  # (length, task) -> (truncation budget = ACRE's attended KV, max new tokens)
+    (2048, "squad"): (493, 16),
+    (4096, "niah_multikey"): (760, 48),
+}
+LAYERS = "2,3,5,7,9,12,16,20,23"
+EVAL_SEEDS = (777, 778, 779)
+DEV_SEED = 1000
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def export(root: Path) -> Path:
+    from acre_train.real.study import RealConfig, RealStudy
+
+    study = RealStudy(root, None, RealConfig(adapters={"stage2-long": str(ADAPTER)}), log=log)
+    out = study.export_dir("stage2-long")
+    if not (out / "config.json").is_file():
+        study.step_export()
+    return out
+
+
+def squad_splits(root: Path, squad: Path) -> tuple[Path, Path]:
+    from acre_train.real.streams import split_articles, subset_squad
+
+    train, held = split_articles(squad)
+    dev, evals = root / "squad-train.json", root / "squad-heldout.json"
+    if not dev.is_file():
+        subset_squad(squad, train, dev)
+    if not evals.is_file():
+        subset_squad(squad, held, evals)
+    return dev, evals
+
+
+def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squad: Path) -> None:
+    if (cell_export / "calibration.json").is_file():
+        return
+    tmp = cell_export.with_name(cell_export.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(exported, tmp)
+    cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(dev_squad),
+           "--context-tokens", str(length), "--num-examples", "100", "--seed", str(DEV_SEED),
+           "--layers", LAYERS, "--no-progress"]
+    log(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+    shutil.rmtree(cell_export, ignore_errors=True)
+    tmp.replace(cell_export)
+
+
+def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: Path) -> None:
+    import torch
+
+    from acre_train.data.tokenizer import auto_tokenizer
+    from acre_train.base.fetch import resolve_source
+    from acre_train.eval.harness import EvalConfig, evaluate as run_eval
+    from acre_train.eval.methods import parse_methods
+    from acre_train.eval.tasks import build_task
+    from acre_train.infer.load import load_export
+
+    if (out / "summary.json").is_file():
+        return
+    budget, new_tokens = CELLS[(length, task)]
+    methods = parse_methods(f"full,truncated:budget={budget},acre:scorer=l1:layers=-1,acre")
+    model, _, _ = load_export(cell_export, dtype=torch.float32)
+    tok = auto_tokenizer(resolve_source(BASE))
+    examples = [ex for seed in EVAL_SEEDS
+                for ex in build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)]
+    log(f"eval {length}/{task}: {len(examples)} questions, rows {[m.label() for m in methods]}")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tic = time.time()
+    run_eval(model, tok, examples, methods, config=EvalConfig(new_tokens, progress=False), out_dir=tmp)
+    (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "length": length, "task": task,
+                                               "seeds": list(EVAL_SEEDS), "adapter": ADAPTER.name}, indent=2) + "\n")
+    shutil.copy(cell_export / "calibration.json", tmp / "calibration.json")
+    shutil.copy(cell_export / "calibration.md", tmp / "calibration.md")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article here)")
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--cells", default=",".join(f"{n}/{t}" for n, t in CELLS), help="LENGTH/TASK,...")
+    parser.add_argument("--docs", default=str(REPO / "docs/real-base/scorer"), help="where finished cells are copied")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    exported = export(root)
+    dev, held = squad_splits(root, Path(args.squad))
+    for spec in args.cells.split(","):
+        length, task = int(spec.split("/")[0]), spec.split("/")[1]
+        cell_export = root / "exports" / f"stage2-long-{length}-{task}"
+        calibrate(exported, cell_export, length, task, dev)
+        out = root / "eval" / str(length) / task
+        evaluate(cell_export, length, task, held, out)
+        docs = Path(args.docs) / str(length) / task
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(docs, ignore_errors=True)
+        shutil.copytree(out, docs)
+        log(f"cell {spec} done -> {docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Refill scorers (infer/scorers.py) against per-token, per-head loops written from their definitions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings
+from acre_train.infer.scorers import ScorerSettings, select_spans, sink_mask
+from acre_train.modeling import acre_forward, interleave
+from acre_train.modeling.batch import pad_batch
+
+from helpers import perturbed_acre_model as _model, random_ids as _ids
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SETTINGS = CacheSettings(first_chunk=16, stride=8, interval=4)
+
+
+def _rope(x: torch.Tensor, positions, theta: float) -> torch.Tensor:
+    """RoPE from the formula (rotate-half), ``x [..., P, D]`` at ``positions [P]`` (may be negative)."""
+    dim = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angle = torch.as_tensor(list(positions), dtype=torch.float64)[:, None] * inv[None]
+    angle = torch.cat([angle, angle], dim=-1).to(x.dtype)
+    half = dim // 2
+    return x * torch.cos(angle) + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * torch.sin(angle)
+
+
+def _reference(model, ctx, q, scorer: ScorerSettings) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Scores from the plain plan of context + question, computed token by token, head by head."""
+    plan = interleave(ctx + q, first_chunk=16, stride=8, intervals=4)
+    captured = {}
+    with torch.no_grad():
+        acre_forward(model, **pad_batch([plan.as_dict()]),
+                     capture=lambda layer, qr, k, v: captured.__setitem__(layer, (qr[0], k[0])))
+    theta = model.config.rope_parameters["rope_theta"]
+    finished_chunks = 4  # 16 + 3 * 8 = 40 raw tokens; the other 2 and the question fill chunk 4
+    rows = range(len(plan))
+    l1_rows = [i for i in rows if plan.is_l1[i] and plan.chunk_ids[i] < finished_chunks]
+    raw_rows = [i for i in rows if not plan.is_l1[i] and plan.chunk_ids[i] < finished_chunks]
+    q_rows = [i for i in rows if plan.raw_index[i] >= len(ctx)]
+    # Span j: the raw tokens between L1 token j - 1 and L1 token j.
+    spans, start = [], 0
+    for i in l1_rows:
+        end = sum(1 for r in raw_rows if r < i)
+        spans.append((start, end))
+        start = end
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    group = heads // kv_heads
+    sinks = {t for t in range(len(raw_rows)) if t < scorer.sinks or (t >= 16 and (t - 16) % 8 < scorer.sinks)}
+    per_layer = []
+    for layer in scorer.resolved_layers(model.config.num_hidden_layers):
+        query, key = captured[layer]
+        table = torch.zeros(heads, len(q_rows), len(spans), dtype=torch.float64)
+        raw_keys = _rope(key[:, raw_rows], range(len(raw_rows)), theta)  # keys at their text positions
+        l1_keys = _rope(key[:, l1_rows], range(len(l1_rows)), theta)  # keys at memory positions j
+        for a, row in enumerate(q_rows):
+            text_q = _rope(query[:, row : row + 1], [int(plan.raw_index[row]) - int(plan.positions[row])], theta)[:, 0]
+            for h in range(heads):
+                kv = h // group
+                scale = math.sqrt(query.shape[-1])
+                if scorer.kind == "l1":
+                    logits = [float(query[h, row] @ l1_keys[kv, j]) / scale for j in range(len(spans))]
+                elif scorer.kind == "l2":
+                    logits = [float(text_q[h] @ raw_keys[kv, t]) / scale for t in range(len(raw_rows))]
+                else:
+                    logits = []
+                    for s, e in spans:
+                        box = [t for t in range(s, e) if t not in sinks]
+                        lo = raw_keys[kv, box].min(dim=0).values
+                        hi = raw_keys[kv, box].max(dim=0).values
+                        logits.append(sum(max(float(text_q[h, c] * lo[c]), float(text_q[h, c] * hi[c]))
+                                          for c in range(len(lo))) / scale)
+                if scorer.kind == "l2":
+                    keep = [t for t in range(len(logits)) if t not in sinks]
+                    top = max(logits[t] for t in keep)
+                    z = sum(math.exp(logits[t] - top) for t in keep)
+                    prob = [0.0 if t in sinks else math.exp(logits[t] - top) / z for t in range(len(logits))]
+                    table[h, a] = torch.tensor([sum(prob[s:e]) for s, e in spans], dtype=torch.float64)
+                else:
+                    top = max(logits)
+                    z = sum(math.exp(x - top) for x in logits)
+                    table[h, a] = torch.tensor([math.exp(x - top) / z for x in logits], dtype=torch.float64)
+        pooled = table.max(dim=0).values if scorer.heads == "max" else table.mean(dim=0)
+        per_layer.append(pooled.mean(dim=0))
+    return torch.stack(per_layer).mean(dim=0).float(), spans
+
+
+SCORERS = ["l1:layers=-1", "l1:layers=0+1,heads=max", "l2:layers=1", "l2:layers=0+1,heads=max,sinks=2",
+           "bounds:layers=0", "bounds:layers=0+1,heads=max,sinks=1"]
+
+
+@pytest.mark.parametrize("spec", SCORERS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_each_scorer_equals_its_reference(spec, arch):
+    model = _model(arch)
+    scorer = ScorerSettings.parse(spec)
+    engine = AcreEngine(model, cache_settings=SETTINGS, refill=RefillSettings(scorer=scorer))
+    ctx, q = _ids(42, 6), _ids(6, 7)
+    cache = engine.build(ctx)
+    q_plan = interleave(cache.tail_ids + q, first_chunk=100, stride=100, intervals=4, carry_in=cache.carry)
+    got = engine.scores(cache, q_plan, num_tail=len(cache.tail_ids), scorer=scorer)
+    want, spans = _reference(model, ctx, q, scorer)
+    assert cache.span_bounds.tolist() == [s for s, _ in spans] + [spans[-1][1]]
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_engine_refills_the_reference_top_k_and_bounds_travel_with_a_saved_cache(tmp_path):
+    model = _model("qwen2")
+    scorer = ScorerSettings.parse("bounds:layers=1,sinks=1")
+    engine = AcreEngine(model, cache_settings=SETTINGS,
+                        refill=RefillSettings(working_window=18, scorer=scorer, max_new_tokens=3))
+    ctx, q = _ids(42, 6), _ids(6, 7)
+    cache = engine.build(ctx)
+    assert set(cache.boxes) == {"1:1"}  # built with the cache, for the engine's scorer
+    answer = engine.answer(cache, q)
+    want, _ = _reference(model, ctx, q, scorer)
+    assert answer.k == 2 and answer.selected == sorted(torch.topk(want, 2).indices.tolist())
+    loaded = BiLayerCache.load(cache.save(tmp_path / "c.safetensors"), model, SETTINGS)
+    torch.testing.assert_close(loaded.boxes["1:1"][0], cache.boxes["1:1"][0], atol=0, rtol=0)
+    torch.testing.assert_close(loaded.boxes["1:1"][1], cache.boxes["1:1"][1], atol=0, rtol=0)
+    again = engine.answer(loaded, q)
+    assert again.selected == answer.selected and again.token_ids == answer.token_ids
+
+
+def _neighbors_reference(scores: list[float], k: int) -> list[int]:
+    taken: list[int] = []
+    for j in sorted(range(len(scores)), key=lambda i: (-scores[i], i)):
+        if len(taken) >= k:
+            break
+        if j in taken:
+            continue
+        taken.append(j)
+        near = [i for i in (j - 1, j + 1) if 0 <= i < len(scores) and i not in taken]
+        if near and len(taken) < k:
+            taken.append(max(near, key=lambda i: (scores[i], -i)))
+    return sorted(taken)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_neighbor_selection_follows_its_definition(seed):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(13, generator=gen)
+    for k in range(0, 14):
+        got = select_spans(scores, k, neighbors=True).tolist()
+        assert got == _neighbors_reference(scores.tolist(), k)
+        assert len(got) == k  # the same budget as plain top-k
+    assert select_spans(scores, 4).tolist() == sorted(torch.topk(scores, 4).indices.tolist())
+
+
+def test_kept_sink_spans_count_against_k():
+    scores = torch.tensor([0.0, 0.9, 0.1, 0.8, 0.2])
+    forced = torch.tensor([True, False, True, False, False])
+    assert select_spans(scores, 3, forced=forced).tolist() == [0, 1, 2]
+    assert select_spans(scores, 1, forced=forced).tolist() == [0]
+
+
+def test_keep_sinks_refills_the_chunk_start_spans():
+    model = _model("llama")
+    scorer = ScorerSettings.parse("l2:layers=1,sinks=1,keep_sinks=1")
+    engine = AcreEngine(model, cache_settings=SETTINGS,
+                        refill=RefillSettings(working_window=10 + 4 * 6, scorer=scorer, max_new_tokens=2))
+    cache = engine.build(_ids(46, 6))
+    answer = engine.answer(cache, _ids(6, 7))
+    # Sinks at text positions 0, 16, 24, 32: spans 0, 4, 6, 8 (4 raw tokens each) hold them.
+    assert {0, 4, 6, 8} <= set(answer.selected) and len(answer.selected) == answer.k == 6
+
+
+def test_sink_mask_marks_the_first_tokens_of_the_context_and_of_every_chunk():
+    assert sink_mask(40, 16, 8, 2).nonzero().flatten().tolist() == [0, 1, 16, 17, 24, 25, 32, 33]
+    assert not sink_mask(40, 16, 8, 0).any()
+
+
+def test_scorer_settings_spellings_and_errors():
+    s = ScorerSettings.parse("l2:layers=7+9,heads=max,sinks=4,keep_sinks=yes")
+    assert s == ScorerSettings("l2", (7, 9), "max", 4, True)
+    assert ScorerSettings.parse(s.describe()) == s == ScorerSettings.parse(s.as_dict())
+    assert RefillSettings(scorer="bounds:layers=3").scorer.kind == "bounds"
+    with pytest.raises(ValueError, match="did you mean 'heads'"):
+        ScorerSettings.parse("l2:head=max")
+    with pytest.raises(ValueError, match="unknown scorer 'l3'"):
+        ScorerSettings.parse("l3")
+    with pytest.raises(ValueError, match="not to l1"):
+        ScorerSettings.parse("l1:sinks=4")
+    with pytest.raises(ValueError, match="out of range"):
+        ScorerSettings(layers=(5,)).resolved_layers(2)
