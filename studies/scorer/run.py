@@ -73,7 +73,7 @@ def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squ
     shutil.copytree(exported, tmp)
     cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(dev_squad),
            "--context-tokens", str(length), "--num-examples", "100", "--seed", str(DEV_SEED),
-           "--layers", LAYERS, "--no-progress"]
+           "--layers", LAYERS]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
     shutil.rmtree(cell_export, ignore_errors=True)

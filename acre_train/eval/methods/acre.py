@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..prompt import PreparedExample
+from ..prompt import PreparedExample, document_text
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
 
 
@@ -128,26 +128,58 @@ class Acre(EvalMethod):
 
 def evidence_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int, int]]:
     """Token ranges (prompt coordinates) of the evidence the question needs: the needles whose text
-    holds a gold answer (context tasks), or the gold documents (document tasks)."""
+    holds a gold answer (context tasks), or in each gold document the sentence that holds the first
+    occurrence of an answer (document tasks such as SQuAD; the whole gold document when no answer
+    string occurs in it)."""
     ex = example.example
     base = len(example.prefix_ids)
     if ex.documents is not None:
         out, pos = [], base
         for i, d in enumerate(example.doc_ids):
             if i in (example.gold_docs or []):
-                out.append((pos, pos + len(d)))
+                out.extend(_answer_sentence_tokens(tokenizer, document_text(i, ex.documents[i]), ex.answers, pos, len(d)))
             pos += len(d)
         return out
     spans = [(a, b) for a, b in (ex.gold_spans or []) if any(ans in ex.context[a:b] for ans in ex.answers)]
     if not spans:
         return []
     enc = tokenizer(ex.context, add_special_tokens=False, return_offsets_mapping=True)
+    return [(base + a, base + b) for a, b in _token_span(enc["offset_mapping"], spans)]
+
+
+def answer_sentence(text: str, answers: list[str]) -> tuple[int, int] | None:
+    """Character range of the sentence of ``text`` holding the earliest answer occurrence (None: none).
+
+    >>> answer_sentence("Paris is big. It is in France. Yes.", ["France"])
+    (14, 30)
+    """
+    found = [(text.find(a), a) for a in answers if a and text.find(a) >= 0]
+    if not found:
+        return None
+    at, answer = min(found)
+    start = max(text.rfind(". ", 0, at) + 2 if text.rfind(". ", 0, at) >= 0 else 0, text.rfind("\n", 0, at) + 1)
+    ends = [e for e in (text.find(". ", at + len(answer)), text.find("\n", at + len(answer))) if e >= 0]
+    end = min(ends) + 1 if ends else len(text)
+    return start, end
+
+
+def _token_span(offsets, spans) -> list[tuple[int, int]]:
     out = []
     for a, b in spans:
-        hit = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < b and e > a]
+        hit = [i for i, (s, e) in enumerate(offsets) if s < b and e > a]
         if hit:
-            out.append((base + hit[0], base + hit[-1] + 1))
+            out.append((hit[0], hit[-1] + 1))
     return out
+
+
+def _answer_sentence_tokens(tokenizer, text: str, answers: list[str], pos: int, length: int) -> list[tuple[int, int]]:
+    sentence = answer_sentence(text, answers) if tokenizer is not None else None
+    if sentence is None:
+        return [(pos, pos + length)]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if len(enc["input_ids"]) != length:  # tokenized otherwise than the prompt piece: fall back to the document
+        return [(pos, pos + length)]
+    return [(pos + a, pos + b) for a, b in _token_span(enc["offset_mapping"], [sentence])]
 
 
 def refill_recall(tokenizer, example: PreparedExample, cache, selected: list[int],
