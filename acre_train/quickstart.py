@@ -128,7 +128,10 @@ def _long_context(qa: dict, paragraphs: int) -> tuple[list[str], str, str]:
 # ------------------------------------------------------------------------------------ real
 
 REAL_BASE = "qwen2.5-coder-0.5b-instruct"
-SHIPPED_ADAPTER = "adapters/qwen2.5-0.5b-stage1-lora.safetensors"  # in acre_train/resources
+# In acre_train/resources, each with a card (NAME.json) beside it. The quickstart's: stage 1 + 2 at
+# 120 + 120 steps, with its scorer calibrated on training-article SQuAD (docs/real-base.md).
+SHIPPED_ADAPTER = "adapters/qwen2.5-0.5b-stage2-lora-120.safetensors"
+STAGE1_ADAPTER = "adapters/qwen2.5-0.5b-stage1-lora.safetensors"
 REAL_CONTEXT_TOKENS = 2048
 REAL_SEED = 777  # the study's evaluation seed: questions never used in training
 
@@ -143,8 +146,8 @@ def shipped_card(adapter: str = SHIPPED_ADAPTER) -> dict:
     return json.loads(card.read_text(encoding="utf-8"))
 
 
-def shipped_adapter_export(out_dir: Path) -> Path:
-    """An adapter-only export of the shipped adapter on the fetched base, with the inference settings
+def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Path:
+    """An adapter-only export of a shipped adapter on the fetched base, with the inference settings
     of its card (geometry and calibrated scorer); made once, reused after."""
     from importlib.resources import files
 
@@ -154,16 +157,16 @@ def shipped_adapter_export(out_dir: Path) -> Path:
     from .export.checkpoint import model_from_adapter
     from .train import load_recipe
 
-    card = shipped_card()
+    card = shipped_card(adapter)
     base = resolve_source(f"base:{card['base']}")  # not fetched: an error that names the fetch command
     if (out_dir / "config.json").is_file():
         return out_dir
     recipe = load_recipe(RECIPES / f"{card['recipe']}.yaml", [])
-    weights = files("acre_train.resources").joinpath(SHIPPED_ADAPTER)
+    weights = files("acre_train.resources").joinpath(adapter)
     model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
     return export_model(model, out_dir, tokenizer=auto_tokenizer(base), adapter_only=True, base_model=base,
                         inference=card["inference"],
-                        source={"adapter": f"acre_train/resources/{SHIPPED_ADAPTER}", "stage": card.get("stage")})
+                        source={"adapter": f"acre_train/resources/{adapter}", "stage": card.get("stage")})
 
 
 def held_out_squad(out: Path) -> Path:
@@ -194,15 +197,14 @@ def _real(args: argparse.Namespace) -> int:
     timings: dict[str, float] = {}
     _timed(timings, f"base {REAL_BASE}", lambda: fetch(REAL_BASE))
     export_dir = _timed(timings, "export the shipped adapter", lambda: shipped_adapter_export(out / "export-real"))
-    model, tokenizer, data = load_export(export_dir, dtype=torch.float32)
+    model, tokenizer, _ = load_export(export_dir, dtype=torch.float32)
     squad = held_out_squad(out / "squad-heldout.json")
     examples = build_task("squad", tokenizer, REAL_CONTEXT_TOKENS, args.questions, REAL_SEED, squad_path=squad,
                           questions_per_context=args.questions)
     report = _timed(timings, f"answer {len(examples)} questions (full vs acre)", lambda: evaluate(
         model, tokenizer, examples, parse_methods("full,acre"), config=EvalConfig(16, progress=False)))
     scorer = report.rows[[r["method"] for r in report.rows].index("acre")]["acre_scorer"]
-    print(f"
-{len(examples)} questions on one cache of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD; "
+    print(f"\n{len(examples)} questions on one cache of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD; "
           f"acre refills with {scorer}")
     for ex in examples:
         rows = {r["method"]: r for r in report.rows if r["id"] == ex.id}

@@ -219,3 +219,20 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
         assert e["score_when_refilled_n"] + e["score_when_missed_n"] == 4
         assert e["refill_coverage"] is not None
     assert "score when refilled" in (out / "results.md").read_text()
+
+
+def test_document_evidence_is_the_answer_sentence_of_the_gold_document():
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+    from acre_train.eval.methods.acre import evidence_token_ranges
+    from acre_train.eval.prompt import prepare_example
+
+    tok = tiny_tokenizer()
+    docs = ["Rivers run to the sea. Lakes are still.", "The Rhine is long. It flows through Basel to the sea. The end."]
+    ex = Example(id="d", question="Which city?", answers=["Basel"], documents=docs, gold_docs=[1])
+    prepared = prepare_example(tok, ex)
+    (start, end), = evidence_token_ranges(tok, prepared)
+    text = tok.decode(prepared.prompt_ids()[start:end])
+    assert text.strip() == "It flows through Basel to the sea."
+    ex.answers = ["Zurich"]  # no answer string in the gold document: the whole document is the evidence
+    (start, end), = evidence_token_ranges(tok, prepare_example(tok, ex))
+    assert end - start == len(prepared.doc_ids[1])

@@ -44,12 +44,12 @@ def test_the_shipped_adapter_reproduces_its_report_row_on_one_context(tmp_path):
     from acre_train.eval.methods import parse_methods
     from acre_train.eval.tasks import build_task
     from acre_train.infer.load import load_export
-    from acre_train.quickstart import shipped_adapter_export
+    from acre_train.quickstart import STAGE1_ADAPTER, shipped_adapter_export
     from acre_train.real.study import RealConfig
     from acre_train.real.streams import EVAL_SEED
 
     config = RealConfig()
-    model, tok, _ = load_export(shipped_adapter_export(tmp_path / "export"), dtype=torch.float32)
+    model, tok, _ = load_export(shipped_adapter_export(tmp_path / "export", STAGE1_ADAPTER), dtype=torch.float32)
     examples = build_task("niah_multikey", tok, 2048, config.questions_per_context, EVAL_SEED,
                           questions_per_context=config.questions_per_context)
     # The study's row used the paper's L1-key scorer; the card now names a calibrated one.

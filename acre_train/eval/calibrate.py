@@ -23,7 +23,7 @@ import argparse
 import itertools
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 

@@ -172,6 +172,15 @@ def _expand(keys: torch.Tensor, num_heads: int) -> torch.Tensor:
     return keys.repeat_interleave(num_heads // keys.shape[0], dim=0).float()
 
 
+def _grouped_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q [H, n, D]`` · ``k [H_kv, N, D]`` / sqrt(D) -> ``[H, n, N]`` without copying the keys per head
+    (query heads of one KV head are stacked along the token axis: one matmul per KV head)."""
+    heads, n, dim = q.shape
+    kv = k.shape[0]
+    stacked = q.reshape(kv, (heads // kv) * n, dim)
+    return torch.matmul(stacked, k.float().transpose(1, 2)).reshape(heads, n, -1) / math.sqrt(dim)
+
+
 # --------------------------------------------------------------------------------------- scores
 
 def score_l1(queries: Sequence[torch.Tensor], l1_keys_rot: Sequence[torch.Tensor], heads: str = "mean",
@@ -182,7 +191,7 @@ def score_l1(queries: Sequence[torch.Tensor], l1_keys_rot: Sequence[torch.Tensor
     """
     per_layer = []
     for q, k in zip(queries, l1_keys_rot, strict=True):
-        logits = torch.matmul(q.float(), _expand(k, q.shape[0]).transpose(1, 2)) / math.sqrt(q.shape[-1])
+        logits = _grouped_logits(q.float(), k)
         if temperature != 1.0:
             logits = logits / temperature
         per_layer.append(_pool(torch.softmax(logits, dim=-1), heads))
@@ -199,8 +208,7 @@ def score_l2(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor
     bounds = span_bounds.to(torch.long)
     per_layer = []
     for q, k in zip(queries, l2_keys_rot, strict=True):
-        k = k.to(q.device)
-        logits = torch.matmul(q.float(), _expand(k, q.shape[0]).transpose(1, 2)) / math.sqrt(q.shape[-1])
+        logits = _grouped_logits(q.float(), k.to(q.device))
         if ignore is not None and bool(ignore.any()):
             logits = logits.masked_fill(ignore.to(logits.device), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
