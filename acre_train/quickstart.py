@@ -204,8 +204,9 @@ def _real(args: argparse.Namespace) -> int:
     report = _timed(timings, f"answer {len(examples)} questions (full vs acre)", lambda: evaluate(
         model, tokenizer, examples, parse_methods("full,acre"), config=EvalConfig(16, progress=False)))
     scorer = report.rows[[r["method"] for r in report.rows].index("acre")]["acre_scorer"]
-    print(f"\n{len(examples)} questions on one cache of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD; "
-          f"acre refills with {scorer}")
+    contexts = len({ex.meta.get("context_id", ex.id) for ex in examples})
+    print(f"\n{len(examples)} questions on {contexts} cache(s) of ~{REAL_CONTEXT_TOKENS} tokens of held-out SQuAD; "
+          f"acre refills with {scorer}; times are per question (the context's prefill is not counted)")
     for ex in examples:
         rows = {r["method"]: r for r in report.rows if r["id"] == ex.id}
         print(f"Q: {ex.question}   (gold: {ex.answers[0]})")

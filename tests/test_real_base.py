@@ -63,3 +63,31 @@ def test_the_shipped_adapter_reproduces_its_report_row_on_one_context(tmp_path):
     assert same >= len(ours) - 1, [(ours[i]["prediction"], recorded[i]["prediction"]) for i in ours]
     assert abs(sum(r["score"] for r in ours.values()) - sum(recorded[i]["score"] for i in ours)) <= 1.0
     assert all(ours[i]["kv_attended"] == recorded[i]["kv_attended"] for i in ours)
+
+
+SQUAD = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "data" / "squad-v2-dev.json"
+
+
+@pytest.mark.skipif(not SQUAD.is_file(), reason="the SQuAD v2 dev file is not beside the checkout")
+def test_the_quickstart_adapter_answers_a_fixed_question_as_full_attention_does(tmp_path):
+    """The adapter the quickstart exports, with the scorer its card names, answers one held-out question
+    of the scorer study (2K SQuAD, seed 777, id squad-777-10: "28 days") exactly as full attention."""
+    import torch
+
+    from acre_train.data.squad import split_articles, subset_squad
+    from acre_train.eval.harness import EvalConfig, evaluate
+    from acre_train.eval.methods import parse_methods
+    from acre_train.eval.tasks import build_task
+    from acre_train.infer.load import load_export
+    from acre_train.quickstart import shipped_adapter_export, shipped_card
+
+    _, held = split_articles(SQUAD)
+    model, tok, config = load_export(shipped_adapter_export(tmp_path / "export"), dtype=torch.float32)
+    assert config["acre"]["inference"]["scorer"] == shipped_card()["inference"]["scorer"]
+    examples = build_task("squad", tok, 2048, 40, 777, squad_path=subset_squad(SQUAD, held, tmp_path / "held.json"),
+                          questions_per_context=4)
+    (example,) = [ex for ex in examples if ex.id == "squad-777-10"]
+    report = evaluate(model, tok, [example], parse_methods("full,acre"), config=EvalConfig(16, progress=False))
+    full, acre = (next(r for r in report.rows if r["method"] == m) for m in ("full", "acre"))
+    assert full["prediction"] == acre["prediction"] == "28 days"
+    assert acre["kv_attended"] < 0.5 * full["kv_attended"]  # L1 + 6 refilled spans + the raw tail and question

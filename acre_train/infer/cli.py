@@ -168,6 +168,7 @@ def _answer_rows(args: argparse.Namespace, engine: Any, rows: list, caches: dict
                 "id": row.get("id", line_no), "question": row["question"], "answer": answer.text,
                 "context_tokens": cache.num_context_tokens, "num_l1": answer.num_l1, "k": answer.k,
                 "refilled_spans": len(answer.selected), "cache_length": answer.cache_length,
+                "scorer": engine.refill.scorer.describe() + (" +neighbors" if engine.refill.neighbors else ""),
                 "cache_reused": reused, "build_s": round(build_s, 4),
                 **{k: round(v, 4) for k, v in answer.timings.items()},
                 "new_tokens": len(answer.token_ids),
