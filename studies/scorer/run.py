@@ -84,7 +84,8 @@ def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squ
     tmp.replace(cell_export)
 
 
-def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: Path) -> None:
+def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: Path,
+             seeds: tuple[int, ...] = EVAL_SEEDS) -> None:
     import torch
 
     from acre_train.data.tokenizer import auto_tokenizer
@@ -100,7 +101,7 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
     methods = parse_methods(rows.format(budget=budget))
     model, _, _ = load_export(cell_export, dtype=torch.float32)
     tok = auto_tokenizer(resolve_source(BASE))
-    examples = [ex for seed in EVAL_SEEDS
+    examples = [ex for seed in seeds
                 for ex in build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)]
     log(f"eval {length}/{task}: {len(examples)} questions, rows {[m.label() for m in methods]}")
     tmp = out.with_name(out.name + ".partial")
@@ -108,7 +109,7 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
     tic = time.time()
     run_eval(model, tok, examples, methods, config=EvalConfig(new_tokens, progress=False), out_dir=tmp)
     (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "length": length, "task": task,
-                                               "seeds": list(EVAL_SEEDS), "adapter": ADAPTER.name}, indent=2) + "\n")
+                                               "seeds": list(seeds), "adapter": ADAPTER.name}, indent=2) + "\n")
     shutil.copy(cell_export / "calibration.json", tmp / "calibration.json")
     shutil.copy(cell_export / "calibration.md", tmp / "calibration.md")
     shutil.rmtree(out, ignore_errors=True)
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article here)")
     parser.add_argument("--root", default="checkpoints/scorer-study")
     parser.add_argument("--cells", default=",".join(f"{n}/{t}" for n, t in CELLS), help="LENGTH/TASK,...")
+    parser.add_argument("--seeds", default=",".join(map(str, EVAL_SEEDS)),
+                        help="evaluation seeds, 40 questions each (default: 777,778,779)")
     parser.add_argument("--docs", default=str(REPO / "docs/real-base/scorer"), help="where finished cells are copied")
     args = parser.parse_args(argv)
     root = Path(args.root)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         cell_export = root / "exports" / f"stage2-long-{length}-{task}"
         calibrate(exported, cell_export, length, task, dev)
         out = root / "eval" / str(length) / task
-        evaluate(cell_export, length, task, held, out)
+        evaluate(cell_export, length, task, held, out, tuple(int(x) for x in args.seeds.split(",")))
         docs = Path(args.docs) / str(length) / task
         docs.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(docs, ignore_errors=True)
