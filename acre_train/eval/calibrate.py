@@ -70,10 +70,8 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
     from tqdm.auto import tqdm
 
     from ..infer import AcreEngine
-    from ..infer.refill import num_selected
     from ..infer.scorers import forced_spans, rank_spans, select_spans
     from ..modeling.geometry import inference_settings
-    from ..modeling.interleave import interleave
     from .harness import group_by_context
     from .methods.acre import evidence_token_ranges, evidence_visibility
     from .prompt import prepare_example
@@ -92,11 +90,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
         for prepared in group:
             bar.update(1)
             evidence = evidence_token_ranges(tokenizer, prepared)
-            q_ids = list(prepared.suffix_ids)
-            raw = cache.tail_ids + q_ids
-            plan = interleave(raw, first_chunk=len(raw), stride=len(raw), intervals=cache_settings.interval,
-                              carry_in=cache.carry)
-            k = num_selected(cache.num_l1, cache_settings.interval, refill.working_window, refill.max_refill)
+            plan, k = engine.open_chunk(cache, prepared.suffix_ids)
             if not evidence or not 0 < k < cache.num_l1:
                 skipped += 1
                 continue

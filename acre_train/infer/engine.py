@@ -143,11 +143,8 @@ class AcreEngine:
         if not q_ids:
             raise ValueError("the question is empty")
         timings: dict[str, float] = {}
-        interval = self.cache_settings.interval
-        raw = cache.tail_ids + q_ids
-        plan = interleave(raw, first_chunk=len(raw), stride=len(raw), intervals=interval, carry_in=cache.carry)
+        plan, k = self.open_chunk(cache, q_ids, settings)
         m = cache.num_l1
-        k = num_selected(m, interval, settings.working_window, settings.max_refill)
 
         tic = time.perf_counter()
         scores = None
@@ -167,6 +164,7 @@ class AcreEngine:
         self._check_room(refilled.length, len(plan), settings.max_new_tokens)
 
         tic = time.perf_counter()
+        interval = self.cache_settings.interval
         capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
         kv = _KV(refilled.keys, refilled.values, capacity)
         first_logits = self._prefill(kv, plan)
@@ -179,6 +177,14 @@ class AcreEngine:
         return Answer(token_ids=tokens, text=text, first_logits=first_logits, scores=scores,
                       selected=selected.tolist(), k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
                       timings=timings)
+
+    def open_chunk(self, cache: BiLayerCache, q_ids: Sequence[int], settings: RefillSettings | None = None):
+        """``(plan, k)``: the raw tail + question interleaved as one open chunk, and the spans to refill."""
+        settings = settings or self.refill
+        interval = self.cache_settings.interval
+        raw = cache.tail_ids + list(q_ids)
+        plan = interleave(raw, first_chunk=len(raw), stride=len(raw), intervals=interval, carry_in=cache.carry)
+        return plan, num_selected(cache.num_l1, interval, settings.working_window, settings.max_refill)
 
     def scores(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int] = (-1,),
                scorer: ScorerSettings | str | None = None) -> torch.Tensor:

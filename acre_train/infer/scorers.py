@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -315,24 +315,39 @@ class QuestionQueries:
     by_layer: dict[int, torch.Tensor]  # layer -> [H, n, D]
     memory_positions: torch.Tensor  # [n]
     text_positions: torch.Tensor  # [n]
+    # What several scorers of one question share (calibrate runs hundreds): queries moved to their
+    # text positions and rotated L2 keys, per layer; freed with the question.
+    derived: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def at_text(self, model, layer: int) -> torch.Tensor:
+        from ..modeling.rope import Rope
+
+        key = ("query", layer)
+        if key not in self.derived:
+            q = self.by_layer[layer].float()
+            self.derived[key] = Rope.of(model).reposition(q, self.memory_positions, self.text_positions)
+        return self.derived[key]
+
+    def l2_keys(self, model, cache, layer: int) -> torch.Tensor:
+        key = ("l2", layer)
+        if key not in self.derived:
+            self.derived[key] = cache.l2_keys_rotated(model, layer)
+        return self.derived[key]
 
 
 def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -> torch.Tensor:
     """One score per span of ``cache`` (``[m]``) with ``scorer``; ``queries`` must hold its layers."""
-    from ..modeling.rope import Rope
-
     layers = scorer.resolved_layers(model.config.num_hidden_layers)
     missing = [x for x in layers if x not in queries.by_layer]
     if missing:
         raise ValueError(f"the scoring pass captured no queries at layers {missing}")
-    qs = [queries.by_layer[x].float() for x in layers]
     if scorer.kind == "l1":
-        return score_l1(qs, [cache.l1_keys_rot[x] for x in layers], scorer.heads)
-    rope = Rope.of(model)
-    qs = [rope.reposition(q, queries.memory_positions, queries.text_positions) for q in qs]
+        return score_l1([queries.by_layer[x].float() for x in layers], [cache.l1_keys_rot[x] for x in layers],
+                        scorer.heads)
+    qs = [queries.at_text(model, x) for x in layers]
     if scorer.kind == "l2":
         ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None
-        return score_l2(qs, [cache.l2_keys_rotated(model, x) for x in layers], cache.span_bounds, scorer.heads, ignore)
+        return score_l2(qs, [queries.l2_keys(model, cache, x) for x in layers], cache.span_bounds, scorer.heads, ignore)
     return score_bounds(qs, [cache.key_box(model, x, scorer.sinks) for x in layers], scorer.heads)
 
 
