@@ -143,3 +143,75 @@ def test_refill_loss_teaches_the_ranking_plain_stage2_does_not():
     # Measured (seed 0): aux 2.38 -> 0.02, plain 2.38 -> 2.34; recall 1.00 vs 0.17 (chance: 2/12).
     assert last < 0.25 * first and np.mean(plain_aux[-5:]) > 0.8 * np.mean(plain_aux[:5])
     assert recall_aware >= 0.9 and recall_plain <= 0.5
+
+
+# ------------------------------------------------------------- the learned scorer (params: scorer)
+
+def _random_map(model, layers, seed=0):
+    from acre_train.infer.learned_scorer import QueryMap
+
+    qmap = QueryMap.for_model(model, layers, rank=3)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in qmap.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return qmap
+
+
+@pytest.mark.parametrize("arch,spec", [("qwen2", "l2:layers=-1,heads=max,sinks=2"), ("llama", "l1:layers=0+1"),
+                                       ("qwen2", "bounds:layers=0,sinks=1")])
+def test_learned_training_score_equals_inference_score(arch, spec):
+    """The learned scorer ranks the same in the training loss as ``rank_spans`` does at inference."""
+    from acre_train.infer.learned_scorer import attach_query_map
+    from acre_train.infer.scorers import ScorerSettings
+    from acre_train.modeling import acre_forward
+    from acre_train.train.refill_loss import learned_scores
+
+    model = _model(arch)
+    scorer = ScorerSettings.parse(spec + ",learned=1")
+    layers = scorer.resolved_layers(model.config.num_hidden_layers)
+    qmap = _random_map(model, layers)
+    ctx, question, answer = _ids(42, 1), _ids(5, 2), _ids(3, 3)
+    row = _row(ctx, question, answer, evidence=[10, 12])
+    masks = refill_masks(row)
+    batch = {**pad_batch([row]), **{k: torch.from_numpy(v)[None] for k, v in masks.items()}}
+    capture = QueryKeyCapture(layers, model.config.num_hidden_layers)
+    with torch.no_grad():
+        acre_forward(model, **{k: batch[k] for k in PLAN_COLUMNS}, capture=capture)
+        got = learned_scores(model, capture, 0, batch, scorer, qmap)
+
+    engine = AcreEngine(model, cache_settings=CacheSettings(first_chunk=16, stride=16, interval=4))
+    cache = engine.build(ctx)
+    plan = interleave(cache.tail_ids + question, first_chunk=100, stride=100, intervals=4, carry_in=cache.carry)
+    attach_query_map(model, qmap)
+    want = engine.scores(cache, plan, num_tail=len(cache.tail_ids), scorer=scorer)
+    plain = engine.scores(cache, plan, num_tail=len(cache.tail_ids), scorer=scorer.__class__(
+        **{**scorer.as_dict(), "layers": tuple(scorer.layers), "learned": False}))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(want, plain, atol=1e-4)  # the map does change the ranking's scores
+
+
+def test_learned_scorer_trains_only_itself_and_leaves_the_answer_loss_bit_identical():
+    from acre_train.infer.scorers import ScorerSettings
+
+    ctx, question, answer = _ids(42, 4), _ids(5, 5), _ids(3, 6)
+    row = _row(ctx, question, answer, evidence=[20, 21])
+    batch = Collator(refill=True)([row])
+    results = {}
+    for name in ("plain", "scorer"):
+        model = _model()
+        refill = None if name == "plain" else {"params": "scorer", "scorer": ScorerSettings.parse("l2:layers=-1,heads=max"),
+                                                "layers": [-1], "temperature": 1.0, "rank": 4}
+        torch.manual_seed(0)
+        module = LossModule(model, refill=refill)
+        lm, count, aux = module(**dict(batch))
+        (lm + 3.0 * aux).backward()
+        results[name] = (float(lm.detach()), {n: p.grad.clone() for n, p in acre_parameters(model) if p.grad is not None})
+        if refill:
+            assert float(aux) > 0
+            grads = [p.grad for p in module.acre_scorer.parameters()]
+            assert all(g is not None for g in grads) and float(sum(g.abs().sum() for g in grads)) > 0
+    assert results["plain"][0] == results["scorer"][0]
+    assert results["plain"][1].keys() == results["scorer"][1].keys()
+    for n, g in results["plain"][1].items():
+        assert torch.equal(g, results["scorer"][1][n]), n

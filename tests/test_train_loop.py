@@ -342,3 +342,49 @@ def test_refill_loss_in_the_trainer_weight_zero_is_plain_stage2(workdir):
     assert sum("refill_loss" in m for m in aware) == 2
     assert results["aware"][0][0] == results["plain"][0][0]  # the first step's answer loss is the same forward
     assert any(not torch.equal(results["aware"][1][k], results["plain"][1][k]) for k in results["plain"][1])
+
+
+def test_a_learned_scorer_trains_apart_from_decoding(workdir):
+    """params=scorer: the L1 weights and answer losses equal plain stage 2 bit for bit; the scorer's own
+    weights train, are checkpointed, exported beside the adapter and rank at inference."""
+    from acre_train.export.checkpoint import load_checkpoint_model
+    from acre_train.export.writer import export_model
+    from acre_train.infer import AcreEngine
+    from acre_train.infer.learned_scorer import SCORER_WEIGHTS, QueryMap, query_map_of
+    from acre_train.infer.load import load_export
+    from acre_train.modeling.geometry import inference_settings
+
+    run(recipe(workdir, "s1", "train.max_steps=2"))
+    base = workdir / "s1" / "base_model"
+    stage1 = export_model(load_checkpoint_model(str(workdir / "s1")).model, workdir / "s1-export", adapter_only=True,
+                          base_model=str(base))
+    common = [f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}", "train.max_steps=3",
+              "train.learning_rate=1e-2"]
+    out = {}
+    for name, extra in (("plain", []), ("scorer", ["train.refill_loss.weight=1", "train.refill_loss.params=scorer",
+                                                    "train.refill_loss.scorer=l2:layers=-1,heads=max,sinks=1",
+                                                    "train.refill_loss.rank=2"])):
+        _, result = run(recipe(workdir, f"ls-{name}", *common, *extra, stage=2))
+        out[name] = (result.losses, load_file(str(result.last_checkpoint / "trainable.safetensors")))
+    assert out["plain"][0] == out["scorer"][0]
+    plain, learned = out["plain"][1], out["scorer"][1]
+    scorer_keys = sorted(k for k in learned if k.startswith("acre_scorer."))
+    assert scorer_keys and set(learned) - set(scorer_keys) == set(plain)
+    assert all(torch.equal(plain[k], learned[k]) for k in plain)
+    up = next(k for k in scorer_keys if ".up." in k)
+    assert float(learned[up].abs().sum()) > 0  # B starts at zero: it moved
+
+    loaded = load_checkpoint_model(str(workdir / "ls-scorer"))
+    assert loaded.scorer_spec == "l2:layers=-1,heads=max,sinks=1,learned=1"
+    export = export_model(loaded.model, workdir / "ls-export", inference={"scorer": loaded.scorer_spec},
+                          scorer=(QueryMap.from_state(loaded.scorer_state), loaded.scorer_spec))
+    assert (export / SCORER_WEIGHTS).is_file()
+    model, _, _ = load_export(export)
+    qmap = query_map_of(model)
+    assert qmap is not None and torch.equal(qmap.up[up.rsplit(".", 1)[1]].detach(), learned[up])
+    cache_settings, refill = inference_settings(model.config, {"first_chunk": 32, "stride": 16, "interval": 4, "working_window": 1000, "max_refill": 24})
+    assert refill.scorer.learned
+    engine = AcreEngine(model, cache_settings=cache_settings, refill=refill)
+    cache = engine.build(list(range(5, 200)))
+    answer = engine.answer(cache, [7, 8, 9], max_new_tokens=2)
+    assert answer.scores is not None and 0 < len(answer.selected) < cache.num_l1

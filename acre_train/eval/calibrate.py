@@ -45,22 +45,27 @@ class Candidate:
     def simplicity(self) -> tuple:
         """Lower = simpler (the tie-break): fewer options switched on."""
         s = self.scorer
-        return (int(self.neighbors) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean"), len(s.layers))
+        return (int(self.neighbors) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean") + int(s.learned),
+                len(s.layers))
 
 
 def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), layers: Sequence[int] | None = None,
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
-          neighbors: Sequence[bool] = (False, True)) -> list[Candidate]:
-    """The settings to compare. Default layers: every third layer and the last.
+          neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = ()) -> list[Candidate]:
+    """The settings to compare. Default layers: every third layer and the last. ``learned_layers``:
+    the layers of the export's learned scorer, swept again with ``learned=1``.
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
+    >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,), learned_layers=(3,)))
+    12
     """
     layers = list(layers) if layers is not None else sorted({*range(0, num_layers, 3), num_layers - 1})
     out = []
-    for kind, layer, pool, near in itertools.product(kinds, layers, heads, neighbors):
+    grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
+    for kind, (layer, learned), pool, near in itertools.product(kinds, grid, heads, neighbors):
         for sink, keep in ([(0, False)] if kind == "l1" else [(s, k) for s in sinks for k in ((False, True) if s else (False,))]):
-            out.append(Candidate(ScorerSettings(kind, (int(layer),), pool, int(sink), keep), bool(near)))
+            out.append(Candidate(ScorerSettings(kind, (int(layer),), pool, int(sink), keep, learned), bool(near)))
     return out
 
 
@@ -189,6 +194,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..infer.learned_scorer import query_map_of
     from ..infer.load import check_export_dir, load_export
     from ..modeling.geometry import inference_settings
     from .tasks import resolve_tasks
@@ -203,7 +209,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"{export} holds no tokenizer files; re-export it with its tokenizer")
     n_layers = model.config.num_hidden_layers
     candidates = sweep(n_layers, kinds=kinds, layers=_ints(args.layers, "layers") if args.layers else None,
-                       heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")])
+                       heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")],
+                       learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else ())
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
     examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,

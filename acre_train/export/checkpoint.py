@@ -30,6 +30,9 @@ class LoadedCheckpoint:
     weights_from: str  # "deepspeed-zero" or "trainable.safetensors"
     tokenizer_spec: str | None = None
     inference: dict[str, Any] = field(default_factory=dict)
+    # The learned scorer (train.refill_loss.params: scorer): its weights and the scorer spec it ranks with.
+    scorer_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    scorer_spec: str | None = None
 
 
 def consolidate_zero(ds_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -114,6 +117,9 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
         state, origin = consolidate_zero(ds_dir, tag=DS_TAG), "deepspeed-zero"
     else:
         state, origin = load_trainable(checkpoint), "trainable.safetensors"
+    from ..infer.learned_scorer import split_state
+
+    state, scorer_state = split_state(state)
     model_section = recipe.get("model") or {}
     model = attach_from_section(base, {"train_o_proj": any(".acre_o_proj." in key for key in state),
                                        "l1": model_section.get("l1", "full"), "lora": model_section.get("lora")})
@@ -124,7 +130,16 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     return LoadedCheckpoint(
         model=model.eval(), checkpoint=checkpoint, meta=meta, recipe=recipe, base_pointer=pointer,
         weights_from=origin, tokenizer_spec=prepare.get("tokenizer"), inference=inference_defaults(prepare),
+        scorer_state=scorer_state, scorer_spec=_learned_spec(recipe) if scorer_state else None,
     )
+
+
+def _learned_spec(recipe: dict[str, Any]) -> str:
+    """The scorer a learned map was trained for (``train.refill_loss.scorer``), marked learned."""
+    from ..infer.scorers import ScorerSettings
+
+    spec = ((recipe.get("train") or {}).get("refill_loss") or {}).get("scorer") or "l2:layers=-1,heads=max"
+    return ScorerSettings.parse(spec + ",learned=1" if "learned" not in spec else spec).describe()
 
 
 def inference_defaults(prepare: dict[str, Any]) -> dict[str, Any]:

@@ -53,9 +53,15 @@ def _run(args: argparse.Namespace) -> int:
     inference = WindowGeometry.from_mapping(loaded.inference).with_overrides(overrides).inference_dict()
     source = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
               "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
+    scorer = None
+    if loaded.scorer_state:
+        from ..infer.learned_scorer import QueryMap
+
+        scorer = (QueryMap.from_state(loaded.scorer_state), loaded.scorer_spec)
+        inference["scorer"] = loaded.scorer_spec  # the learned scorer ranks by default; calibrate may choose
     out = export_model(loaded.model, args.out_dir, tokenizer=tokenizer, adapter_only=args.adapter_only,
                        base_model=args.base_model or loaded.base_pointer, inference=inference, source=source,
-                       overwrite=args.overwrite)
+                       overwrite=args.overwrite, scorer=scorer)
     size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
     form = "adapter-only" if args.adapter_only else "full"
     print(f"exported {loaded.checkpoint} ({loaded.weights_from}) -> {out} [{form}, {size / 2**20:.1f} MiB]")

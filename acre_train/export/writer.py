@@ -41,12 +41,14 @@ def export_model(
     inference: dict[str, Any] | None = None,
     source: dict[str, Any] | None = None,
     overwrite: bool = False,
+    scorer: tuple[Any, str] | None = None,
 ) -> Path:
     """Write ``model`` (an ACRE model from ``attach_acre``) to ``out_dir``; returns the folder.
 
     ``base_model``: where an adapter-only export finds its base (path or hub id; required then).
     ``inference``: default inference settings stored under ``config.acre.inference``.
     ``source``: provenance (checkpoint path, step) stored under ``config.acre.source``.
+    ``scorer``: ``(QueryMap, spec)`` of a learned scorer, written to ``acre_scorer.safetensors``.
     """
     if not is_acre_model(model):
         raise ValueError("export needs an ACRE model (attach_acre); got a model without L1 parameters")
@@ -59,6 +61,10 @@ def export_model(
     try:
         with disk_errors(f"the export {final}"):
             _write(model, out, final, tokenizer, adapter_only, base_model, inference, source)
+            if scorer is not None:
+                from ..infer.learned_scorer import SCORER_WEIGHTS
+
+                scorer[0].save(out / SCORER_WEIGHTS, scorer[1])
         if final.exists():
             shutil.rmtree(final)
         os.replace(out, final)

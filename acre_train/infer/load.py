@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .learned_scorer import SCORER_WEIGHTS, QueryMap, attach_query_map
 
 
 class NotAnAcreExport(ValueError):
@@ -38,6 +39,9 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
     data = check_export_dir(path)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     model = AcreForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
+    learned = Path(path) / SCORER_WEIGHTS
+    if learned.is_file():
+        attach_query_map(model, QueryMap.load(learned))
     tokenizer = None
     if any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         from transformers.utils import logging as hf_logging

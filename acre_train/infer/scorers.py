@@ -19,6 +19,10 @@ the context and of every chunk; ``sinks: N`` leaves the first ``N`` tokens of ea
 ranking (out of the softmax for ``l2``, out of the box for ``bounds``), and ``keep_sinks`` refills
 the spans holding them anyway (they then count against ``k``).
 
+``learned=1`` ranks with the export's learned scorer (``infer/learned_scorer.py``, trained with
+``train.refill_loss.params: scorer``): the question's queries pass through its low-rank map before
+any of the three scorers; nothing else changes, decoding never sees it.
+
 Every score is computed in fp32 whatever the model dtype. The tests keep a per-token, per-head
 loop as the reference for each scorer.
 
@@ -48,6 +52,7 @@ class ScorerSettings:
     heads: str = "mean"
     sinks: int = 0
     keep_sinks: bool = False
+    learned: bool = False  # rank with the learned query map (infer/learned_scorer.py) of the export
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -82,8 +87,9 @@ class ScorerSettings:
             picked[key] = value
         if "layers" in picked:
             picked["layers"] = _layers(picked["layers"])
-        if "keep_sinks" in picked:
-            picked["keep_sinks"] = _flag(picked["keep_sinks"])
+        for flag in ("keep_sinks", "learned"):
+            if flag in picked:
+                picked[flag] = _flag(picked[flag])
         if "sinks" in picked:
             picked["sinks"] = int(picked["sinks"])
         return cls(**picked)
@@ -113,6 +119,8 @@ class ScorerSettings:
             opts.append(f"sinks={self.sinks}")
         if self.keep_sinks:
             opts.append("keep_sinks=1")
+        if self.learned:
+            opts.append("learned=1")
         return f"{self.kind}:{','.join(opts)}"
 
     def resolved_layers(self, num_layers: int) -> list[int]:
@@ -328,6 +336,18 @@ class QuestionQueries:
             self.derived[key] = Rope.of(model).reposition(q, self.memory_positions, self.text_positions)
         return self.derived[key]
 
+    def learned(self, model, qmap, layer: int, frame: str) -> torch.Tensor:
+        """The learned scorer's queries (``qmap`` on the pre-RoPE query), rotated at the ``frame``'s
+        positions: ``"memory"`` (for L1 keys) or ``"text"`` (for raw keys)."""
+        from ..modeling.rope import Rope
+
+        key = ("learned-" + frame, layer)
+        if key not in self.derived:
+            rope = Rope.of(model)
+            mapped = qmap(layer, rope.unrotate(self.by_layer[layer].float(), self.memory_positions))
+            self.derived[key] = rope.rotate(mapped, self.memory_positions if frame == "memory" else self.text_positions)
+        return self.derived[key]
+
     def l2_keys(self, model, cache, layer: int) -> torch.Tensor:
         key = ("l2", layer)
         if key not in self.derived:
@@ -341,14 +361,28 @@ def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -
     missing = [x for x in layers if x not in queries.by_layer]
     if missing:
         raise ValueError(f"the scoring pass captured no queries at layers {missing}")
+    qmap = _query_map(model, scorer, layers) if scorer.learned else None
     if scorer.kind == "l1":
-        return score_l1([queries.by_layer[x].float() for x in layers], [cache.l1_keys_rot[x] for x in layers],
-                        scorer.heads)
-    qs = [queries.at_text(model, x) for x in layers]
+        qs = [queries.learned(model, qmap, x, "memory") if qmap else queries.by_layer[x].float() for x in layers]
+        return score_l1(qs, [cache.l1_keys_rot[x] for x in layers], scorer.heads)
+    qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
     if scorer.kind == "l2":
         ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None
         return score_l2(qs, [queries.l2_keys(model, cache, x) for x in layers], cache.span_bounds, scorer.heads, ignore)
     return score_bounds(qs, [cache.key_box(model, x, scorer.sinks) for x in layers], scorer.heads)
+
+
+def _query_map(model, scorer: ScorerSettings, layers: list[int]):
+    from .learned_scorer import query_map_of
+
+    qmap = query_map_of(model)
+    if qmap is None:
+        raise ValueError(f"scorer {scorer.describe()} is learned, but this model has no learned scorer (an export "
+                         "trained with train.refill_loss.params=scorer carries one in acre_scorer.safetensors)")
+    missing = [x for x in layers if x not in qmap.layers]
+    if missing:
+        raise ValueError(f"the learned scorer was trained at layers {qmap.layers}; {scorer.describe()} asks for {missing}")
+    return qmap
 
 
 def forced_spans(cache, scorer: ScorerSettings) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from ..modeling import IGNORE_INDEX, acre_forward, acre_parameters, attach_acre,
 from ..modeling.adapter import chunked_lm_loss
 from .checkpoint import META, find_weights_checkpoint, load_trainable, read_meta
 from .recipe import Recipe
-from .refill_loss import COLUMNS as REFILL_COLUMNS, QueryKeyCapture, refill_loss_sum
+from .refill_loss import COLUMNS as REFILL_COLUMNS, QueryKeyCapture, learned_loss_sum, refill_loss_sum
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -76,7 +76,9 @@ def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
     theirs, ours = meta.get("base_model"), base_reference(recipe)
     if theirs != ours:
         raise ValueError(f"model.init_from {checkpoint} was trained on base {theirs}, this recipe uses {ours}")
-    weights = load_trainable(checkpoint)
+    from ..infer.learned_scorer import split_state
+
+    weights, _scorer = split_state(load_trainable(checkpoint))  # a learned scorer starts afresh per run
     if is_acre_model(model):
         load_acre_state_dict(model, weights)
     else:
@@ -137,15 +139,25 @@ class LossModule(nn.Module):
         self.kernel = kernel
         self.fused_ce = fused_ce
         self.acre = is_acre_model(model)
-        # Refill-aware stage 2 ({"layers", "temperature"}; None: off, the forward is untouched).
+        # Refill-aware stage 2 ({"layers", "temperature"}; None: off, the forward is untouched). With
+        # {"params": "scorer", "scorer": ScorerSettings, "rank": r} the loss trains a learned scorer of
+        # its own (``acre_scorer``, a submodule here so DDP/DeepSpeed sync and checkpoint it) instead.
         self.refill = refill
+        self.scorer_settings = None
+        if refill is not None and refill.get("params") == "scorer":
+            from ..infer.learned_scorer import QueryMap
+
+            self.scorer_settings = refill["scorer"]
+            layers = self.scorer_settings.resolved_layers(model.config.num_hidden_layers)
+            self.acre_scorer = QueryMap.for_model(model, layers, refill.get("rank", 8)).to(next(model.parameters()).device)
 
     def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(answer-loss sum, label tokens, refill-loss sum)``; the last is 0 unless the refill loss is on."""
         masks = {name: batch.pop(name) for name in REFILL_COLUMNS if name in batch}
         capture = None
         if self.refill is not None and masks:
-            capture = QueryKeyCapture(self.refill["layers"], self.model.config.num_hidden_layers)
+            layers = self.scorer_settings.layers if self.scorer_settings is not None else self.refill["layers"]
+            capture = QueryKeyCapture(layers, self.model.config.num_hidden_layers)
         if self.acre and self.fused_ce:
             loss_sum, count = self._acre_fused(**batch, capture=capture)
         elif self.acre:
@@ -157,7 +169,9 @@ class LossModule(nn.Module):
             # No L1 token: L1 weights take no part, which DDP/ZeRO reducers treat as an error.
             loss_sum = loss_sum + 0.0 * sum(p.sum() for _, p in acre_parameters(self.model))
         refill = loss_sum.new_zeros(())
-        if capture is not None:
+        if capture is not None and self.scorer_settings is not None:
+            refill = learned_loss_sum(self.model, capture, {**batch, **masks}, self.scorer_settings, self.acre_scorer)
+        elif capture is not None:
             refill = refill_loss_sum(self.model, capture, {**batch, **masks}, self.refill["temperature"])
         return loss_sum, torch.as_tensor(count), refill
 

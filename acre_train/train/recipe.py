@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..modeling import SUPPORTED_MODEL_TYPES
 
@@ -96,6 +96,19 @@ class RefillLossSection(_Section):
     weight: float = Field(0.0, ge=0)
     layers: list[int] = Field(default_factory=lambda: [-1])
     temperature: float = Field(1.0, gt=0)
+    # shared: the loss trains the L1 keys decoding attends to. scorer: it trains a learned scorer of its
+    # own (infer/learned_scorer.py, rank ``rank``) for the inference scorer ``scorer`` names; the L1
+    # weights then train exactly as without the loss, and the export ranks with ``scorer`` + learned=1.
+    params: Literal["shared", "scorer"] = "shared"
+    scorer: str = "l2:layers=-1,heads=max"
+    rank: int = Field(8, ge=1, le=256)
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer_spec(cls, value: str) -> str:
+        from ..infer.scorers import ScorerSettings
+
+        return ScorerSettings.parse(value).describe()  # a misspelt option fails here, with a suggestion
 
 
 class TrainSection(_Section):
@@ -384,6 +397,9 @@ def _check_model(recipe: Recipe) -> list[str]:
             from ..modeling.adapter import FLEX_ON_CPU
 
             problems.append(f"model.kernel: {FLEX_ON_CPU}")
+    if recipe.train.refill_loss.params == "scorer" and not recipe.train.refill_loss.weight:
+        problems.append("train.refill_loss.params=scorer trains the learned scorer through the refill loss, whose "
+                        "weight is 0; set train.refill_loss.weight (e.g. 1)")
     if recipe.train.refill_loss.weight and (recipe.stage != 2 or recipe.mode != "acre"):
         problems.append("train.refill_loss needs stage 2 in acre mode (questions with evidence positions); "
                         "set train.refill_loss.weight=0 or stage: 2")

@@ -17,6 +17,13 @@ Which tokens take part (what inference scores, in the training plan's terms):
 
 Gradients reach the L1 projections (the keys of the entries and, through them, every earlier L1
 layer); the question's queries come from the frozen base and carry none of their own.
+
+``params: scorer`` trains a learned scorer instead (``infer/learned_scorer.py``): the captured queries
+and keys are detached, the question's queries pass through the scorer's own low-rank map, and the
+score is the inference scorer ``train.refill_loss.scorer`` names (``l1``, ``l2`` or ``bounds``, with
+its layers, head pooling and sinks). Only the map gets a gradient; the answer loss and every L1
+weight are exactly those of a run without it. The loss is ``-log`` of the evidence spans' share of
+the pooled scores.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ import torch
 from torch import nn
 
 from ..infer.refill import score_entries
+from ..infer.scorers import ScorerSettings, key_bounds, score_bounds, score_l1, score_l2
 from ..modeling.rope import Rope
 
-COLUMNS = ("refill_query", "refill_entry", "refill_target")
+# Per-token masks of a stage-2 row: question queries, scored entries, their targets, the L2 context
+# (raw tokens of earlier chunks), each raw token's text position and its index within its chunk.
+COLUMNS = ("refill_query", "refill_entry", "refill_target", "refill_context", "refill_text", "refill_in_chunk")
 
 
 def refill_masks(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
@@ -66,12 +76,19 @@ def refill_masks(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
     target &= entry
     if not target.any():
         return None
-    return {"refill_query": query, "refill_entry": entry, "refill_target": target}
+    context = ~is_l1 & (chunks < chunk)
+    in_chunk = np.zeros(len(raw), dtype=np.int64)
+    for c in np.unique(chunks):
+        rows = np.flatnonzero(~is_l1 & (chunks == c))
+        in_chunk[rows] = raw[rows] - raw[rows].min()
+    return {"refill_query": query, "refill_entry": entry, "refill_target": target, "refill_context": context,
+            "refill_text": raw.astype(np.int64), "refill_in_chunk": in_chunk}
 
 
 def pad_masks(rows: Sequence[dict[str, Any]], length: int) -> dict[str, torch.Tensor]:
     """``[B, length]`` bool masks of a batch (all False for rows without usable evidence)."""
-    out = {name: torch.zeros(len(rows), length, dtype=torch.bool) for name in COLUMNS}
+    out = {name: torch.zeros(len(rows), length, dtype=torch.long if name in ("refill_text", "refill_in_chunk") else torch.bool)
+           for name in COLUMNS}
     for b, row in enumerate(rows):
         masks = refill_masks(row)
         if masks is None:
@@ -127,4 +144,50 @@ def refill_loss_sum(model: nn.Module, capture: QueryKeyCapture, batch: dict[str,
         scores = sample_scores(model, capture, b, batch["refill_query"][b], entry, batch["memory_positions"][b], temperature)
         hit = target[entry]  # which of the scored entries are targets
         total = total - torch.log(scores[hit].sum().clamp_min(1e-30))
+    return total
+
+
+def learned_scores(model: nn.Module, capture: QueryKeyCapture, b: int, batch: dict[str, torch.Tensor],
+                   scorer: ScorerSettings, qmap: nn.Module) -> torch.Tensor:
+    """Sample ``b``'s span scores ``[m]`` by the learned ``scorer`` (what ``rank_spans`` computes at
+    inference with the same map); gradients reach ``qmap`` only."""
+    rope = Rope.of(model)
+    rows = {name: torch.nonzero(batch[name][b], as_tuple=False).reshape(-1)
+            for name in ("refill_query", "refill_entry", "refill_context")}
+    q_rows, e_rows, c_rows = rows["refill_query"], rows["refill_entry"], rows["refill_context"]
+    q_pos = batch["positions"][b].index_select(0, q_rows)  # where the forward rotated the question's queries
+    text = batch["refill_text"][b]
+    queries, keys = [], []
+    for layer in scorer.resolved_layers(model.config.num_hidden_layers):
+        q, k = (t[b].detach() for t in capture.seen[layer])
+        mapped = qmap(layer, rope.unrotate(q.index_select(1, q_rows).float(), q_pos))
+        if scorer.kind == "l1":
+            queries.append(rope.rotate(mapped, q_pos))
+            keys.append(rope.rotate(k.index_select(1, e_rows).float(), batch["memory_positions"][b].index_select(0, e_rows)))
+        else:
+            queries.append(rope.rotate(mapped, text.index_select(0, q_rows)))
+            keys.append(rope.rotate(k.index_select(1, c_rows).float(), text.index_select(0, c_rows)))
+    if scorer.kind == "l1":
+        return score_l1(queries, keys, scorer.heads)
+    # Span j: the context tokens between entry j-1 and entry j (an entry owns the raw tokens before it).
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.searchsorted(c_rows, e_rows)]).cpu()
+    ignore = None
+    if scorer.sinks:
+        ignore = (batch["refill_in_chunk"][b].index_select(0, c_rows) < scorer.sinks).cpu()
+    if scorer.kind == "l2":
+        return score_l2(queries, keys, bounds, scorer.heads, ignore)
+    return score_bounds(queries, [key_bounds(k, bounds, ignore) for k in keys], scorer.heads)
+
+
+def learned_loss_sum(model: nn.Module, capture: QueryKeyCapture, batch: dict[str, torch.Tensor],
+                     scorer: ScorerSettings, qmap: nn.Module) -> torch.Tensor:
+    """Sum over the batch's samples of ``-log`` (the evidence spans' share of the learned scores)."""
+    total = sum(p.sum() for p in qmap.parameters()) * 0.0  # every rank's reducer sees the map used
+    for b in range(batch["refill_target"].shape[0]):
+        target = batch["refill_target"][b]
+        if not bool(target.any()):
+            continue
+        scores = learned_scores(model, capture, b, batch, scorer, qmap)
+        share = scores[target[batch["refill_entry"][b]]].sum() / scores.sum().clamp_min(1e-30)
+        total = total - torch.log(share.clamp_min(1e-30))
     return total

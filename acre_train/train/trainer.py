@@ -88,6 +88,7 @@ class Trainer:
         self.gas, self.global_batch, _ = resolve_accumulation(recipe, info.world_size)
         self.run_dir = recipe.run_dir
         self.engine = None  # DeepSpeed engine
+        self.scorer_map = None  # the learned scorer (train.refill_loss.params: scorer)
         self.ds_config: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------ setup
@@ -147,10 +148,16 @@ class Trainer:
         self.model = build_model(r).to(self.info.device)
         active = apply_liger(self.model, t.liger, log=self.log)
         refill = t.refill_loss
+        settings = None
+        if self.refill_weight:
+            from ..infer.scorers import ScorerSettings
+
+            settings = {"layers": refill.layers, "temperature": refill.temperature, "params": refill.params,
+                        "scorer": ScorerSettings.parse(refill.scorer), "rank": refill.rank}
         self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"],
-                                      refill={"layers": refill.layers, "temperature": refill.temperature}
-                                      if self.refill_weight else None)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+                                      refill=settings)
+        self.scorer_map = getattr(self.loss_module, "acre_scorer", None)  # params: scorer
+        params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                                            eps=t.adam_epsilon, weight_decay=t.weight_decay)
         warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
@@ -189,7 +196,7 @@ class Trainer:
         zero = (self.ds_config or {}).get("zero_optimization", {}).get("stage", 0) if r.train.deepspeed else None
         ident = {
             "mode": r.mode, "stage": r.stage, "seed": r.seed, "base_model": base_reference(r),
-            "trainable": {k: list(v.shape) for k, v in trainable_state(self.model).items()},
+            "trainable": {k: list(v.shape) for k, v in self.trainable().items()},
             "global_batch_size": self.global_batch, "data_fingerprint": self.manifest.get("fingerprint"),
             "max_samples": r.data.max_samples, "shuffle": r.data.shuffle, "group_by_chunks": r.train.group_by_chunks,
             "eval_split": r.data.eval_split,
@@ -260,7 +267,12 @@ class Trainer:
             if loaded is None:
                 raise ckpt.CheckpointMismatch(f"DeepSpeed found no state in {path / ckpt.DS_DIR}")
         else:
-            load_trainable_state(self.model, ckpt.load_trainable(path))
+            from ..infer.learned_scorer import split_state
+
+            l1, scorer = split_state(ckpt.load_trainable(path))
+            load_trainable_state(self.model, l1)
+            if self.scorer_map is not None:
+                self.scorer_map.load_state_dict(scorer)
             # weights_only: tensors and plain containers; a crafted file cannot run code on resume.
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.info.device, weights_only=True))
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
@@ -301,6 +313,15 @@ class Trainer:
         for change in applied:
             self.log(f"resume: {change} (applied)")
 
+    def trainable(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores: the L1 weights, and the learned scorer's under ``acre_scorer.``."""
+        state = trainable_state(self.model)
+        if self.scorer_map is not None:
+            from ..infer.learned_scorer import STATE_PREFIX
+
+            state.update({STATE_PREFIX + k: v for k, v in self.scorer_map.state().items()})
+        return state
+
     def save(self, step: int) -> Path:
         meta = {
             "step": step, "epoch": step // self.steps_per_epoch, "step_in_epoch": step % self.steps_per_epoch,
@@ -310,7 +331,7 @@ class Trainer:
             "identity": self.identity(),
         }
         return ckpt.save_checkpoint(
-            self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=trainable_state(self.model),
+            self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=self.trainable(),
             meta=meta, recipe_yaml=self.recipe.to_yaml(), optimizer=self.optimizer, scheduler=self.scheduler,
             engine=self.engine, keep_last=self.recipe.checkpoint.keep_last)
 
@@ -458,6 +479,8 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.recipe.train.max_grad_norm or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if self.scorer_map is not None:  # clipped on its own: its gradient must not scale the L1 update
+            torch.nn.utils.clip_grad_norm_(list(self.scorer_map.parameters()), clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
