@@ -388,3 +388,51 @@ def test_a_learned_scorer_trains_apart_from_decoding(workdir):
     cache = engine.build(list(range(5, 200)))
     answer = engine.answer(cache, [7, 8, 9], max_new_tokens=2)
     assert answer.scores is not None and 0 < len(answer.selected) < cache.num_l1
+
+
+def test_scorer_only_trains_the_scorer_over_fixed_l1_weights(workdir):
+    """scorer_only: the L1 weights stay bit-identical to model.init_from; the loss is the refill loss, and
+    it falls (every step sees the same 16 samples)."""
+    from acre_train.export.checkpoint import load_checkpoint_model
+    from acre_train.export.writer import export_model
+    from acre_train.modeling import acre_state_dict
+
+    run(recipe(workdir, "so1", "train.max_steps=2"))
+    base = workdir / "so1" / "base_model"
+    loaded = load_checkpoint_model(str(workdir / "so1"))
+    stage1 = export_model(loaded.model, workdir / "so1-export", adapter_only=True, base_model=str(base))
+    _, result = run(recipe(workdir, "so2", f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}",
+                           "train.max_steps=6", "train.learning_rate=3e-2", "train.global_batch_size=16",
+                           "train.lr_scheduler=constant", "train.refill_loss.weight=1",
+                           "train.refill_loss.params=scorer", "train.refill_loss.scorer=l2:layers=0",
+                           "train.refill_loss.scorer_only=true", stage=2))
+    saved = load_file(str(result.last_checkpoint / "trainable.safetensors"))
+    before = acre_state_dict(loaded.model)
+    assert all(torch.equal(saved[k], v) for k, v in before.items())
+    losses = result.losses
+    assert all(loss > 0 for loss in losses) and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] - 1e-3
+
+
+def test_refill_sim_trains_and_resumes_exactly(workdir):
+    """train.refill_sim: stage 2 in the refilled layout runs in the trainer, its losses differ from plain
+    stage 2's, and a run cut at step 2 and resumed repeats the uninterrupted one (teacher-forcing coins
+    included)."""
+    from acre_train.export.checkpoint import load_checkpoint_model
+    from acre_train.export.writer import export_model
+
+    run(recipe(workdir, "rs1", "train.max_steps=2"))
+    base = workdir / "rs1" / "base_model"
+    stage1 = export_model(load_checkpoint_model(str(workdir / "rs1")).model, workdir / "rs1-export",
+                          adapter_only=True, base_model=str(base))
+    common = [f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}", "train.max_steps=4",
+              "checkpoint.keep_last=null"]
+    sim = ["train.refill_sim.enabled=true", "train.refill_sim.force_evidence=0.5", "train.refill_sim.max_refill=8",
+           "train.refill_sim.interval=4"]
+    _, plain = run(recipe(workdir, "rs-plain", *common, stage=2))
+    _, full = run(recipe(workdir, "rs-full", *common, *sim, stage=2))
+    assert all(np.isfinite(full.losses)) and full.losses != plain.losses
+    _, first = run(recipe(workdir, "rs-cut", *common, *sim, "checkpoint.stop_after_step=2", stage=2))
+    _, second = run(recipe(workdir, "rs-cut", *common, *sim, "checkpoint.resume_from_checkpoint=latest", stage=2))
+    assert first.losses == full.losses[:2]
+    np.testing.assert_allclose(second.losses, full.losses[2:], rtol=0, atol=1e-6)

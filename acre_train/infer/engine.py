@@ -127,8 +127,12 @@ class AcreEngine:
 
     # ------------------------------------------------------------------------------------ answer
 
-    def answer(self, cache: BiLayerCache, question: str | Sequence[int], **overrides: Any) -> Answer:
+    def answer(self, cache: BiLayerCache, question: str | Sequence[int], *, selected: Sequence[int] | None = None,
+               **overrides: Any) -> Answer:
         """Answer ``question`` from ``cache`` (the context is not re-encoded).
+
+        ``selected``: refill these spans (L1 entry indices) instead of scoring (oracle studies, and the
+        check that training in the refilled layout computes what this does).
 
         The unfinished last chunk of the context (raw tail), the question and the answer form one open
         chunk after the refilled cache, whatever its length (it is not split at the stride): ``W``
@@ -148,7 +152,11 @@ class AcreEngine:
 
         tic = time.perf_counter()
         scores = None
-        if 0 < k < m:
+        if selected is not None:
+            selected = torch.as_tensor(sorted(set(int(j) for j in selected)), dtype=torch.long)
+            if len(selected) and not 0 <= int(selected[0]) <= int(selected[-1]) < m:
+                raise ValueError(f"selected spans must lie in 0..{m - 1}, got {selected.tolist()}")
+        elif 0 < k < m:
             scorer = settings.scorer
             layers = scorer.resolved_layers(self.model.config.num_hidden_layers)
             queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)

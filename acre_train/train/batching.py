@@ -88,8 +88,17 @@ class Collator:
     vanilla: bool = False
     pad_token_id: int = 0
     refill: bool = False  # add the refill-loss masks (rows need raw_index, evidence, question)
+    sim: Any = None  # refill_sim.SimSettings: samples in the refilled layout (rows need question, evidence)
+    seed: int = 0
 
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: Sequence[dict[str, Any]], step: int = 0) -> dict[str, torch.Tensor]:
+        if self.sim is not None:
+            from .refill_sim import collate_sim, force_draw, sim_sample
+
+            batch = collate_sim([sim_sample(r, self.sim, force=force_draw(
+                self.seed, int(r.get("sample_index", 0)), step, self.sim.force_evidence)) for r in rows])
+            batch["labels"] = batch["sim_open_labels"]  # what label_count and the loss scale read
+            return batch
         if not self.vanilla:
             batch = pad_batch([{k: np.asarray(r[k]) for k in PLAN_COLUMNS} for r in rows], pad_token_id=self.pad_token_id)
             if self.refill:

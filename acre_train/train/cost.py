@@ -32,6 +32,15 @@ def step_flops(model: nn.Module, batches: list[dict[str, torch.Tensor]], trains_
     backward_linear = 2 if trains_base else 1  # input grads (+ weight grads when the base trains)
     total = 0.0
     for b in batches:
+        if "sim_scalars" in b:  # refilled layout: the context's plan, then the open chunk (its prefix not counted)
+            real = b["sim_ctx_chunk_ids"] >= 0
+            open_real = torch.arange(b["sim_open_positions"].shape[1])[None] < b["sim_open_positions_len"][:, None]
+            keys = float((b["sim_ctx_positions"][real] + 1).sum() + (b["sim_open_positions"][open_real] + 1).sum())
+            tokens = int(real.sum() + open_real.sum())
+            labelled = int((b["labels"] != -100).sum())
+            forward = 2.0 * decoder * tokens + 2.0 * head * labelled
+            total += forward * (1 + backward_linear) + 4.0 * keys * width * config.num_hidden_layers * 3
+            continue
         if "chunk_ids" in b:  # ACRE: padding has chunk id -1
             real = b["chunk_ids"] >= 0
             keys = float((b["positions"][real] + 1).sum())

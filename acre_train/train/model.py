@@ -133,8 +133,9 @@ class LossModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, kernel: str | None = None, fused_ce: bool = False,
-                 refill: dict[str, Any] | None = None):
+                 refill: dict[str, Any] | None = None, sim: Any = None):
         super().__init__()
+        self.sim = sim  # refill_sim.SimSettings: stage 2 in the refilled layout
         self.model = model
         self.kernel = kernel
         self.fused_ce = fused_ce
@@ -144,20 +145,31 @@ class LossModule(nn.Module):
         # its own (``acre_scorer``, a submodule here so DDP/DeepSpeed sync and checkpoint it) instead.
         self.refill = refill
         self.scorer_settings = None
+        self.scorer_only = False
         if refill is not None and refill.get("params") == "scorer":
             from ..infer.learned_scorer import QueryMap
 
             self.scorer_settings = refill["scorer"]
             layers = self.scorer_settings.resolved_layers(model.config.num_hidden_layers)
             self.acre_scorer = QueryMap.for_model(model, layers, refill.get("rank", 8)).to(next(model.parameters()).device)
+        # scorer_only: the L1 weights stay as loaded and only the learned scorer trains, so the forward
+        # runs without gradients and stops after the last scoring layer (no answer loss is computed).
+        self.scorer_only = bool(self.scorer_settings is not None and refill.get("scorer_only"))
 
     def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(answer-loss sum, label tokens, refill-loss sum)``; the last is 0 unless the refill loss is on."""
+        if "sim_scalars" in batch:
+            from .refill_sim import sim_loss_sum
+
+            loss_sum, count = sim_loss_sum(self.model, batch, self.sim, kernel=self.kernel)
+            return loss_sum, torch.as_tensor(count), loss_sum.new_zeros(())
         masks = {name: batch.pop(name) for name in REFILL_COLUMNS if name in batch}
         capture = None
         if self.refill is not None and masks:
             layers = self.scorer_settings.layers if self.scorer_settings is not None else self.refill["layers"]
             capture = QueryKeyCapture(layers, self.model.config.num_hidden_layers)
+        if self.scorer_only:
+            return self._scorer_only(batch, masks)
         if self.acre and self.fused_ce:
             loss_sum, count = self._acre_fused(**batch, capture=capture)
         elif self.acre:
@@ -174,6 +186,24 @@ class LossModule(nn.Module):
         elif capture is not None:
             refill = refill_loss_sum(self.model, capture, {**batch, **masks}, self.refill["temperature"])
         return loss_sum, torch.as_tensor(count), refill
+
+    def _scorer_only(self, batch: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]):
+        """``(0, 0, refill-loss sum)``: a no-grad forward up to the last scoring layer, then the loss."""
+        from .refill_loss import StopForward
+
+        layers = self.scorer_settings.resolved_layers(self.model.config.num_hidden_layers)
+        capture = QueryKeyCapture(layers, self.model.config.num_hidden_layers, stop_after_last=True)
+        zero = self.acre_scorer.up[str(layers[0])].new_zeros(())
+        if masks and bool(masks["refill_target"].any()):
+            with torch.no_grad():
+                try:
+                    acre_forward(self.model, **{k: v for k, v in batch.items() if k != "labels"}, kernel=self.kernel,
+                                 capture=capture)
+                except StopForward:
+                    pass
+            return zero, torch.as_tensor(0), learned_loss_sum(self.model, capture, {**batch, **masks},
+                                                               self.scorer_settings, self.acre_scorer)
+        return zero, torch.as_tensor(0), zero + 0.0 * sum(p.sum() for p in self.acre_scorer.parameters())
 
     def _acre_fused(self, labels, capture=None, **batch):
         """Liger's fused linear + cross-entropy on the ACRE hidden states (CUDA only; see liger.py)."""

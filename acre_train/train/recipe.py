@@ -102,6 +102,9 @@ class RefillLossSection(_Section):
     params: Literal["shared", "scorer"] = "shared"
     scorer: str = "l2:layers=-1,heads=max"
     rank: int = Field(8, ge=1, le=256)
+    # With params=scorer: keep the L1 weights as model.init_from left them and train the scorer alone
+    # (a no-grad forward to the last scoring layer per sample; the run's loss is the refill loss).
+    scorer_only: bool = False
 
     @field_validator("scorer")
     @classmethod
@@ -109,6 +112,31 @@ class RefillLossSection(_Section):
         from ..infer.scorers import ScorerSettings
 
         return ScorerSettings.parse(value).describe()  # a misspelt option fails here, with a suggestion
+
+
+class RefillSimSection(_Section):
+    """Stage 2 in the refilled layout (``train/refill_sim.py``): each sample's answer attends to the L1
+    entries with the spans inference would refill (same scorer, ``k = floor(min(W - m, eta) / l)``)
+    next to them, plus the raw tail, as ``AcreEngine.answer`` does. ``force_evidence``: the share of
+    samples whose evidence spans are refilled first (teacher forcing). ``interval``: the ``l`` the
+    export answers with (default: what ``acre-train export`` stores for this data); ``max_refill`` /
+    ``working_window``: eta / W (default: the export's defaults)."""
+
+    enabled: bool = False
+    k: int | None = Field(None, ge=0)  # fixed k instead of inference's
+    force_evidence: float = Field(0.0, ge=0, le=1)
+    interval: int | None = Field(None, ge=1)
+    working_window: int | None = Field(None, ge=1)
+    max_refill: int | None = Field(None, ge=0)
+    scorer: str = "l1:layers=-1"
+    neighbors: bool = False
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer_spec(cls, value: str) -> str:
+        from ..infer.scorers import ScorerSettings
+
+        return ScorerSettings.parse(value).describe()
 
 
 class TrainSection(_Section):
@@ -137,6 +165,7 @@ class TrainSection(_Section):
     dist_timeout_s: int = Field(600, ge=10)
     liger: LigerSection = Field(default_factory=LigerSection)
     refill_loss: RefillLossSection = Field(default_factory=RefillLossSection)
+    refill_sim: RefillSimSection = Field(default_factory=RefillSimSection)
 
 
 class LoggingSection(_Section):
@@ -397,6 +426,15 @@ def _check_model(recipe: Recipe) -> list[str]:
             from ..modeling.adapter import FLEX_ON_CPU
 
             problems.append(f"model.kernel: {FLEX_ON_CPU}")
+    if recipe.train.refill_sim.enabled and (recipe.stage != 2 or recipe.mode != "acre"):
+        problems.append("train.refill_sim needs stage 2 in acre mode (question/answer samples); set "
+                        "train.refill_sim.enabled=false or stage: 2")
+    if recipe.train.refill_sim.enabled and recipe.train.refill_loss.weight:
+        problems.append("train.refill_sim and train.refill_loss cannot both be on yet (the refill loss reads the "
+                        "plain stage-2 forward); set one of them off")
+    if recipe.train.refill_loss.scorer_only and (recipe.train.refill_loss.params != "scorer" or not recipe.model.init_from):
+        problems.append("train.refill_loss.scorer_only trains a learned scorer over fixed L1 weights: it needs "
+                        "train.refill_loss.params=scorer and model.init_from")
     if recipe.train.refill_loss.params == "scorer" and not recipe.train.refill_loss.weight:
         problems.append("train.refill_loss.params=scorer trains the learned scorer through the refill loss, whose "
                         "weight is 0; set train.refill_loss.weight (e.g. 1)")

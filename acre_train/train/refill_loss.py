@@ -103,18 +103,25 @@ def num_samples(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["refill_target"].any(dim=1).sum()) if "refill_target" in batch else 0
 
 
+class StopForward(Exception):
+    """Raised by a capture with ``stop_after_last`` once its last layer is seen (skips the rest)."""
+
+
 class QueryKeyCapture:
     """An ``acre_forward`` capture hook keeping the rotated queries and pre-RoPE keys of some layers."""
 
-    def __init__(self, layers: Sequence[int], num_layers: int):
+    def __init__(self, layers: Sequence[int], num_layers: int, stop_after_last: bool = False):
         if any(not -num_layers <= layer < num_layers for layer in layers):
             raise ValueError(f"refill_loss.layers {tuple(layers)} out of range for a {num_layers}-layer model")
         self.layers = sorted({layer % num_layers for layer in layers})
+        self.stop_after_last = stop_after_last
         self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, _value: torch.Tensor) -> None:
         if layer in self.layers:
             self.seen[layer] = (query, key)
+            if self.stop_after_last and layer == self.layers[-1]:
+                raise StopForward
 
 
 def sample_scores(model: nn.Module, capture: QueryKeyCapture, b: int, query: torch.Tensor, entry: torch.Tensor,

@@ -121,6 +121,15 @@ class Trainer:
                 raise RecipeError([f"train.refill_loss needs stage-2 data with evidence positions; {r.data.path} "
                                    f"{'lacks the columns ' + str(missing) if missing else 'has no sample with evidence'} "
                                    "(re-prepare it with this version, from inputs that carry 'evidence' or from SQuAD)"])
+        self.sim = self.sim_settings() if r.train.refill_sim.enabled else None
+        if self.sim is not None:
+            missing = [c for c in ("question", "evidence") if c not in dataset.column_names]
+            if missing:
+                raise RecipeError([f"train.refill_sim needs stage-2 data that records the question and its evidence; "
+                                   f"{r.data.path} lacks the columns {missing} (re-prepare it with this version)"])
+            extra = ("evidence", "question")
+            if held_out is not None:
+                self.eval_dataset = held_out.with_format("numpy", columns=[*PLAN_COLUMNS, *extra])
         self.dataset = dataset.with_format("numpy", columns=[*PLAN_COLUMNS, "intervals", "sample_index", *extra])
         self.chunks = list_lengths(dataset, "intervals")
         self.lengths = list_lengths(dataset, "input_ids")
@@ -132,7 +141,24 @@ class Trainer:
         self.total_steps = r.train.max_steps or max(1, int(r.train.epochs * self.steps_per_epoch))
         pad = self.manifest.get("tokenizer", {}).get("pad_token_id")
         self.collate = Collator(vanilla=r.mode == "vanilla", pad_token_id=int(pad) if pad is not None else 0,
-                                refill=bool(self.refill_weight))
+                                refill=bool(self.refill_weight), sim=self.sim, seed=r.seed)
+
+    def sim_settings(self):
+        """The inference ``train.refill_sim`` simulates: the data's W0 and S, the export's default l, W and
+        eta for this data (``acre-train export`` stores the same), unless the section names them."""
+        from ..infer.scorers import ScorerSettings
+        from ..modeling.geometry import WindowGeometry
+        from .refill_sim import SimSettings
+
+        plan = self.manifest.get("plan") or {}
+        geometry = WindowGeometry.from_mapping({k: plan[k] for k in ("first_chunk", "stride", "intervals") if k in plan})
+        defaults = geometry.inference_dict()
+        sim = self.recipe.train.refill_sim
+        pick = lambda key: getattr(sim, key) if getattr(sim, key) is not None else defaults[key]  # noqa: E731
+        return SimSettings(first_chunk=defaults["first_chunk"], stride=defaults["stride"], interval=pick("interval"),
+                           working_window=pick("working_window"), max_refill=pick("max_refill"),
+                           scorer=ScorerSettings.parse(sim.scorer), neighbors=sim.neighbors, k=sim.k,
+                           force_evidence=sim.force_evidence)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         r = self.recipe
@@ -153,9 +179,12 @@ class Trainer:
             from ..infer.scorers import ScorerSettings
 
             settings = {"layers": refill.layers, "temperature": refill.temperature, "params": refill.params,
-                        "scorer": ScorerSettings.parse(refill.scorer), "rank": refill.rank}
+                        "scorer": ScorerSettings.parse(refill.scorer), "rank": refill.rank,
+                        "scorer_only": refill.scorer_only}
+            if refill.scorer_only:
+                self.model.requires_grad_(False)  # the L1 weights stay as model.init_from left them
         self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"],
-                                      refill=settings)
+                                      refill=settings, sim=self.sim)
         self.scorer_map = getattr(self.loss_module, "acre_scorer", None)  # params: scorer
         params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
@@ -403,7 +432,7 @@ class Trainer:
         micro = rank_micro_batches(batch, rank=info.rank, world_size=info.world_size,
                                    micro=self.recipe.train.micro_batch_size, accumulation=self.gas)
         logger.log_samples(step, [int(self.dataset[int(i)]["sample_index"]) for m in micro for i in m])
-        tensors = [self.collate([self.dataset[int(i)] for i in m]) for m in micro]
+        tensors = [self.collate([self.dataset[int(i)] for i in m], step=step) for m in micro]
         local_labels = sum(label_count(b) for b in tensors)
         (global_labels,) = info.all_reduce_sum([local_labels])
         scale = info.world_size / max(global_labels, 1.0)
@@ -423,6 +452,8 @@ class Trainer:
         tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
         self.tokens_seen += tokens
         flops = step_flops(self.model, tensors, trains_base=self.recipe.mode == "vanilla")
+        if self.recipe.train.refill_loss.scorer_only:  # no answer loss is computed: the run's loss is the refill loss
+            loss_sum, global_labels = refill_sum, global_refill
         metrics = {"loss": loss_sum / max(global_labels, 1.0), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                    "rank_tflop": flops / 1e12,
                    "tokens_seen": self.tokens_seen, "label_tokens": int(global_labels),
@@ -439,7 +470,9 @@ class Trainer:
         loss_sum, count = 0.0, 0.0
         for i in range(self.info.rank, len(self.eval_dataset), self.info.world_size):
             batch = {k: v.to(self.info.device) for k, v in self.collate([self.eval_dataset[i]]).items()}
-            part, n, _ = self.loss_module(**batch)
+            part, n, refill = self.loss_module(**batch)
+            if self.loss_module.scorer_only:
+                part, n = refill, refill_samples(batch)
             loss_sum, count = loss_sum + float(part), count + float(n)
         loss_sum, count = self.info.all_reduce_sum([loss_sum, count])
         return loss_sum / max(count, 1.0)
@@ -478,9 +511,10 @@ class Trainer:
             return float(norm) if norm is not None else float("nan")
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.recipe.train.max_grad_norm or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else None
         if self.scorer_map is not None:  # clipped on its own: its gradient must not scale the L1 update
-            torch.nn.utils.clip_grad_norm_(list(self.scorer_map.parameters()), clip)
+            scorer_norm = torch.nn.utils.clip_grad_norm_(list(self.scorer_map.parameters()), clip)
+            norm = scorer_norm if norm is None else norm
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
