@@ -436,3 +436,26 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
     _, second = run(recipe(workdir, "rs-cut", *common, *sim, "checkpoint.resume_from_checkpoint=latest", stage=2))
     assert first.losses == full.losses[:2]
     np.testing.assert_allclose(second.losses, full.losses[2:], rtol=0, atol=1e-6)
+
+
+def test_distillation_in_the_trainer_stage1_and_refilled_stage2(workdir):
+    """train.distill: weight 0 repeats the plain run; weight 0.5 logs a positive KL per distilled token, in
+    stage 1 and in stage 2 in the refilled layout."""
+    from acre_train.export.checkpoint import load_checkpoint_model
+    from acre_train.export.writer import export_model
+
+    _, plain = run(recipe(workdir, "d-plain", "train.max_steps=2"))
+    _, zero = run(recipe(workdir, "d-zero", "train.max_steps=2", "train.distill.weight=0"))
+    assert plain.losses == zero.losses
+    _, mixed = run(recipe(workdir, "d-half", "train.max_steps=2", "train.distill.weight=0.5", "train.distill.top_k=16"))
+    metrics = [json.loads(x) for x in (workdir / "d-half" / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
+    assert len(metrics) == 2 and all(m["kl"] > 0 and m["kl_tokens"] > 0 for m in metrics)
+    assert mixed.losses != plain.losses
+    base = workdir / "d-half" / "base_model"
+    stage1 = export_model(load_checkpoint_model(str(workdir / "d-half")).model, workdir / "d-export",
+                          adapter_only=True, base_model=str(base))
+    run(recipe(workdir, "d-s2", f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}",
+               "train.max_steps=2", "train.refill_sim.enabled=true", "train.refill_sim.max_refill=8",
+               "train.refill_sim.interval=4", "train.distill.weight=0.5", stage=2))
+    metrics = [json.loads(x) for x in (workdir / "d-s2" / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
+    assert len(metrics) == 2 and all(m["kl"] > 0 for m in metrics)

@@ -133,9 +133,12 @@ class LossModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, kernel: str | None = None, fused_ce: bool = False,
-                 refill: dict[str, Any] | None = None, sim: Any = None):
+                 refill: dict[str, Any] | None = None, sim: Any = None, distill: dict[str, Any] | None = None):
         super().__init__()
         self.sim = sim  # refill_sim.SimSettings: stage 2 in the refilled layout
+        # Distillation from the frozen base ({"weight", "temperature", "top_k", "stage"}; None or weight 0: off).
+        self.distill = distill if distill and distill.get("weight") else None
+        self.last_kl: tuple[float, int] = (0.0, 0)  # (KL sum, KL tokens) of the last forward, for the log
         self.model = model
         self.kernel = kernel
         self.fused_ce = fused_ce
@@ -161,7 +164,10 @@ class LossModule(nn.Module):
         if "sim_scalars" in batch:
             from .refill_sim import sim_loss_sum
 
-            loss_sum, count = sim_loss_sum(self.model, batch, self.sim, kernel=self.kernel)
+            loss_sum, count, kl = sim_loss_sum(self.model, batch, self.sim, kernel=self.kernel, distill=self.distill)
+            loss_sum = self._mix(loss_sum, kl)
+            # Every L1 weight takes part in every step (DDP/ZeRO reducers insist), even with no L1 token.
+            loss_sum = loss_sum + 0.0 * sum(p.sum() for _, p in acre_parameters(self.model))
             return loss_sum, torch.as_tensor(count), loss_sum.new_zeros(())
         masks = {name: batch.pop(name) for name in REFILL_COLUMNS if name in batch}
         capture = None
@@ -175,6 +181,12 @@ class LossModule(nn.Module):
         elif self.acre:
             out = acre_forward(self.model, **batch, kernel=self.kernel, capture=capture)
             loss_sum, count = out.loss_sum, out.num_tokens
+            if self.distill is not None:
+                from .distill import batch_kl_sum
+
+                d = self.distill
+                kl = batch_kl_sum(self.model, batch, out.hidden_states, d["stage"], d["top_k"], d["temperature"])
+                loss_sum = self._mix(loss_sum, kl)
         else:
             loss_sum, count = self._vanilla(**batch)
         if self.acre and not bool(batch["is_l1"].any()):
@@ -186,6 +198,14 @@ class LossModule(nn.Module):
         elif capture is not None:
             refill = refill_loss_sum(self.model, capture, {**batch, **masks}, self.refill["temperature"])
         return loss_sum, torch.as_tensor(count), refill
+
+    def _mix(self, ce_sum: torch.Tensor, kl: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+        """``weight * KL + (1 - weight) * CE`` (sums over the batch's tokens); CE alone without distill."""
+        if self.distill is None or kl is None:
+            return ce_sum
+        self.last_kl = (float(kl[0].detach()), kl[1])
+        weight = self.distill["weight"]
+        return weight * kl[0] + (1.0 - weight) * ce_sum
 
     def _scorer_only(self, batch: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]):
         """``(0, 0, refill-loss sum)``: a no-grad forward up to the last scoring layer, then the loss."""

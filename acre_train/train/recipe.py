@@ -139,6 +139,17 @@ class RefillSimSection(_Section):
         return ScorerSettings.parse(value).describe()
 
 
+class DistillSection(_Section):
+    """Distillation from the frozen base (``train/distill.py``): the loss per label token is
+    ``weight * KL(teacher || student) + (1 - weight) * CE``; the teacher is the base with full attention
+    over the same raw tokens, keeping its ``top_k`` probabilities at ``temperature``. Stage 1 distils the
+    raw tokens of chunks >= 1, stage 2 the answer tokens (in the refilled layout with refill_sim)."""
+
+    weight: float = Field(0.0, ge=0, le=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(64, ge=1)
+
+
 class TrainSection(_Section):
     """Optimisation. ``global_batch_size = micro_batch_size x gradient_accumulation_steps x world``."""
 
@@ -166,6 +177,7 @@ class TrainSection(_Section):
     liger: LigerSection = Field(default_factory=LigerSection)
     refill_loss: RefillLossSection = Field(default_factory=RefillLossSection)
     refill_sim: RefillSimSection = Field(default_factory=RefillSimSection)
+    distill: DistillSection = Field(default_factory=DistillSection)
 
 
 class LoggingSection(_Section):
@@ -429,6 +441,12 @@ def _check_model(recipe: Recipe) -> list[str]:
     if recipe.train.refill_sim.enabled and (recipe.stage != 2 or recipe.mode != "acre"):
         problems.append("train.refill_sim needs stage 2 in acre mode (question/answer samples); set "
                         "train.refill_sim.enabled=false or stage: 2")
+    if recipe.train.distill.weight and recipe.mode != "acre":
+        problems.append("train.distill trains an ACRE student against its own base; mode: vanilla has no student "
+                        "to distil (set train.distill.weight=0)")
+    if recipe.train.distill.weight and recipe.train.liger.fused_linear_cross_entropy:
+        problems.append("train.distill needs the student's logits, which liger's fused linear cross-entropy never "
+                        "forms; set train.liger.fused_linear_cross_entropy=false")
     if recipe.train.refill_sim.enabled and recipe.train.refill_loss.weight:
         problems.append("train.refill_sim and train.refill_loss cannot both be on yet (the refill loss reads the "
                         "plain stage-2 forward); set one of them off")

@@ -106,7 +106,7 @@ def sim_sample(row: dict[str, Any], settings: SimSettings, force: bool = False) 
     out = {f"ctx_{k}": np.asarray(getattr(plan, k))[closed] for k in PLAN}
     out.update({f"open_{k}": np.asarray(getattr(open_plan, k)) for k in ("input_ids", "is_l1", "positions")})
     out["open_labels"] = np.asarray(open_plan.labels)
-    out.update(question_ids=raw[q_start:a_start], tail_ids=raw[raw_done:q_start], span_bounds=bounds,
+    out.update(raw_ids=raw, question_ids=raw[q_start:a_start], tail_ids=raw[raw_done:q_start], span_bounds=bounds,
                evidence_spans=spans_with(torch.from_numpy(in_evidence), torch.from_numpy(bounds)).numpy()
                if len(bounds) > 1 else np.zeros(0, dtype=bool),
                scalars=np.asarray([carry, raw_done, int(force)], dtype=np.int64))
@@ -252,12 +252,32 @@ def _refilled_prefix(model, keys, values, ctx_is_l1, cache: BiLayerCache, select
             for x in range(layers)]
 
 
-def sim_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], settings: SimSettings,
-                 kernel: str | None = None) -> tuple[torch.Tensor, int]:
-    """``(answer-loss sum, label tokens)`` of a collated batch, each sample in the refilled layout."""
+def sim_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], settings: SimSettings, kernel: str | None = None,
+                 distill: dict[str, Any] | None = None) -> tuple[torch.Tensor, int, tuple[torch.Tensor, int] | None]:
+    """``(answer-loss sum, label tokens, (KL sum, KL tokens) or None)`` of a collated batch, each sample in
+    the refilled layout; with ``distill`` the frozen base (full attention over the row's raw tokens)
+    is the teacher of every answer token."""
     total, count = None, 0
+    kl_total, kl_count = None, 0
     for b in range(batch["sim_scalars"].shape[0]):
-        out, _ = sim_forward(model, unpad(batch, b), settings, kernel=kernel)
+        sample = unpad(batch, b)
+        out, _ = sim_forward(model, sample, settings, kernel=kernel)
         total = out.loss_sum if total is None else total + out.loss_sum
         count += out.num_tokens
-    return total, count
+        if distill is not None:
+            part, n = _sample_kl(model, sample, out.hidden_states[0], distill)
+            kl_total = part if kl_total is None else kl_total + part
+            kl_count += n
+    return total, count, (kl_total, kl_count) if distill is not None else None
+
+
+def _sample_kl(model: nn.Module, sample: dict[str, torch.Tensor], hidden: torch.Tensor, distill: dict[str, Any]):
+    from .distill import kl_sum, teacher_top_k
+
+    labels = sample["open_labels"].to(hidden.device)
+    rows = labels != IGNORE_INDEX
+    raw_done = int(sample["scalars"][1])
+    open_raw = torch.cumsum((~sample["open_is_l1"].bool()).long(), 0).to(hidden.device) - 1
+    at = raw_done + open_raw[rows]
+    logp, ids = teacher_top_k(model, sample["raw_ids"].to(hidden.device), at, distill["top_k"], distill["temperature"])
+    return kl_sum(model.lm_head, hidden[rows], logp, ids, distill["temperature"]), int(rows.sum())

@@ -184,7 +184,8 @@ class Trainer:
             if refill.scorer_only:
                 self.model.requires_grad_(False)  # the L1 weights stay as model.init_from left them
         self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"],
-                                      refill=settings, sim=self.sim)
+                                      refill=settings, sim=self.sim,
+                                      distill={**t.distill.model_dump(), "stage": r.stage} if r.mode == "acre" else None)
         self.scorer_map = getattr(self.loss_module, "acre_scorer", None)  # params: scorer
         params = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
@@ -440,11 +441,12 @@ class Trainer:
         (global_refill,) = info.all_reduce_sum([sum(refill_samples(b) for b in tensors)]) if self.refill_weight else (0,)
         refill_scale = self.refill_weight * info.world_size / max(global_refill, 1.0)
         lr = float(self.scheduler.get_last_lr()[0])
-        loss_total, refill_total = 0.0, 0.0
+        loss_total, refill_total, kl_total, kl_tokens = 0.0, 0.0, 0.0, 0
         for j, batch_tensors in enumerate(tensors):
             batch_tensors = {k: v.to(info.device) for k, v in batch_tensors.items()}
             lm, refill = self.micro_step(batch_tensors, scale, refill_scale, last=j == len(tensors) - 1)
             loss_total, refill_total = loss_total + lm, refill_total + refill
+            kl_total, kl_tokens = kl_total + self.loss_module.last_kl[0], kl_tokens + self.loss_module.last_kl[1]
         grad_norm = self.optimizer_step()
         (loss_sum, refill_sum) = info.all_reduce_sum([loss_total, refill_total])
         mix = Counter(int(v) for i in batch for v in self.dataset[int(i)]["intervals"])
@@ -461,6 +463,9 @@ class Trainer:
         metrics.update({f"l1_interval_mix/{k}": v / chunks for k, v in sorted(mix.items())})
         if self.refill_weight:
             metrics.update(refill_loss=refill_sum / max(global_refill, 1.0), refill_samples=int(global_refill))
+        if self.loss_module.distill is not None:  # "loss" is then the mixed loss; kl per distilled token
+            kl_sum, kl_count = info.all_reduce_sum([kl_total, float(kl_tokens)])
+            metrics.update(kl=kl_sum / max(kl_count, 1.0), kl_tokens=int(kl_count))
         return metrics
 
     @torch.no_grad()
