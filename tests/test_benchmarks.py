@@ -1,0 +1,18 @@
+"""The benchmark scripts run at their CI sizes and exit 0 (speed is read from them by hand, never asserted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_train_step_cost_runs_tiny():
+    out = subprocess.run([sys.executable, "benchmarks/train_step_cost.py", "--tiny", "--repeat", "1"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["length", "arm"] and len(lines) == 1 + 2 * 6
