@@ -459,3 +459,51 @@ def test_distillation_in_the_trainer_stage1_and_refilled_stage2(workdir):
                "train.refill_sim.interval=4", "train.distill.weight=0.5", stage=2))
     metrics = [json.loads(x) for x in (workdir / "d-s2" / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
     assert len(metrics) == 2 and all(m["kl"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize("setting", ["train.learning_rate=1e30", "train.refill_loss.weight=inf"])
+def test_a_non_finite_run_stops_naming_the_step_and_keeps_the_last_finite_checkpoint(workdir, setting, capsys):
+    """A NaN/inf loss or gradient stops the run (rc 2, the step named); no all-NaN checkpoint is written,
+    the last finite one stays latest, and export refuses non-finite weights."""
+    from acre_train.cli import main as cli_main
+
+    stage = 2 if "refill_loss" in setting else 1
+    if stage == 2:
+        run(recipe(workdir, "nan-s1", "train.max_steps=1"))
+    name = f"nan-{stage}"
+    args = ["train", str(ROOT / f"recipes/tiny_stage{stage}.yaml"), f"run_name={name}", f"output_root={workdir}",
+            "logging.progress_bar=false", "train.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=null",
+            *((f"data.path={workdir / 'data1'}", *SMALL_DATA) if stage == 1 else (
+                f"data.path={workdir / 'data2'}", "data.prepare.max_samples=16", "data.prepare.context_tokens=128",
+                "data.prepare.max_length=256", "data.prepare.first_chunk=32", "data.prepare.stride=16",
+                f"model.init_from={workdir / 'nan-s1'}")), setting]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "not finite" in err and "step " in err and "Traceback" not in err
+    run_dir = workdir / name
+    for ckpt in sorted(run_dir.glob("checkpoint-*")):
+        weights = load_file(str(ckpt / "trainable.safetensors"))
+        assert all(bool(torch.isfinite(t).all()) for t in weights.values()), ckpt
+    latest = run_dir / "latest"
+    assert not latest.exists() or (run_dir / latest.read_text().strip()).is_dir()
+
+
+def test_skip_nonfinite_steps_tolerates_that_many(workdir):
+    """train.skip_nonfinite_steps=N: an inf-weighted refill loss skips its steps (no update) up to N."""
+    run(recipe(workdir, "skip-s1", "train.max_steps=1"))
+    trainer = Trainer(recipe(workdir, "skip", "train.max_steps=2", "train.skip_nonfinite_steps=5",
+                             "train.refill_loss.weight=inf", f"model.init_from={workdir / 'skip-s1'}", stage=2),
+                      setup(use_deepspeed=False), log=lambda *_: None)
+    result = trainer.run()
+    assert result.steps == 2 and trainer.nonfinite_steps == 2
+
+
+def test_export_refuses_non_finite_weights(workdir):
+    from acre_train.export.writer import export_model
+
+    model = attach_acre(tiny_model("qwen2", seed=0))
+    with torch.no_grad():
+        next(p for _, p in acre_parameters(model)).fill_(float("nan"))
+    with pytest.raises(ValueError, match="non-finite"):
+        export_model(model, workdir / "nan-export")
+    assert not (workdir / "nan-export").exists()

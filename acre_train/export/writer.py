@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..files import disk_errors
@@ -54,6 +55,10 @@ def export_model(
         raise ValueError("export needs an ACRE model (attach_acre); got a model without L1 parameters")
     if adapter_only and not base_model:
         raise ValueError("--adapter-only needs the base model it points to (--base-model PATH_OR_HUB_ID)")
+    bad = [name for name, t in acre_state_dict(model).items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"refusing to export non-finite (NaN/inf) L1 weights: {', '.join(bad[:3])}"
+                         f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; export an earlier checkpoint")
     final = _check_target(Path(out_dir), overwrite)
     # Written under a temporary name and renamed at the end: an interrupted export (kill, full disk)
     # never leaves a folder with a config.json that looks complete.

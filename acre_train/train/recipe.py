@@ -168,6 +168,9 @@ class TrainSection(_Section):
     max_steps: int | None = Field(None, ge=1)  # overrides epochs when set
     eval_every: int | None = Field(None, ge=1)  # held-out loss every N steps and at the end (needs data.eval_split)
     max_grad_norm: float | None = 1.0
+    # A step whose loss or gradient norm is not finite (NaN/inf) stops the run with an error naming the
+    # step; up to this many such steps are skipped instead (no update; torch engine only).
+    skip_nonfinite_steps: int = Field(0, ge=0)
     bf16: bool = False
     deepspeed: str | None = None  # a DeepSpeed JSON config (paths are relative to the recipe file, then cwd)
     group_by_chunks: bool = True  # every rank runs the same number of chunks per step

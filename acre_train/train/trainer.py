@@ -51,6 +51,14 @@ class TrainResult:
     checkpoint_seconds: list[float] = field(default_factory=list)
 
 
+def _what(finite_loss: bool, norm: float) -> str:
+    return "the loss is" if not finite_loss else f"the gradient norm ({norm}) is"
+
+
+class NonFiniteError(ValueError):
+    """A NaN/inf loss, gradient or weight: the run stops before it is saved (a ValueError: a setting to fix)."""
+
+
 def train(recipe: Recipe, log=print) -> TrainResult:
     """Run ``recipe`` in this process (one rank of a launcher, or alone). Returns on every rank."""
     info = setup(use_deepspeed=bool(recipe.train.deepspeed), timeout_s=recipe.train.dist_timeout_s)
@@ -89,6 +97,7 @@ class Trainer:
         self.run_dir = recipe.run_dir
         self.engine = None  # DeepSpeed engine
         self.scorer_map = None  # the learned scorer (train.refill_loss.params: scorer)
+        self.nonfinite_steps = 0  # steps skipped for a NaN/inf loss or gradient (train.skip_nonfinite_steps)
         self.ds_config: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------ setup
@@ -352,7 +361,17 @@ class Trainer:
             state.update({STATE_PREFIX + k: v for k, v in self.scorer_map.state().items()})
         return state
 
+    def _nonfinite_message(self, step: int, what: str, skippable: bool) -> str:
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        kept = f"{latest.name} (the last finite checkpoint) stays latest" if latest else "no checkpoint was written"
+        hint = ("lower train.learning_rate or the loss weights, or tolerate a few such steps with "
+                "train.skip_nonfinite_steps=N" if skippable else "lower train.learning_rate or the loss weights")
+        return f"step {step}: {what} not finite (NaN/inf); the run stops, {kept}; {hint}"
+
     def save(self, step: int) -> Path:
+        state = self.trainable()
+        if not all(bool(torch.isfinite(t).all()) for t in state.values()):
+            raise NonFiniteError(self._nonfinite_message(step, "the trained weights are", skippable=False))
         meta = {
             "step": step, "epoch": step // self.steps_per_epoch, "step_in_epoch": step % self.steps_per_epoch,
             "tokens_seen": self.tokens_seen, "samples_seen": step * self.global_batch, "world_size": self.info.world_size,
@@ -361,7 +380,7 @@ class Trainer:
             "identity": self.identity(),
         }
         return ckpt.save_checkpoint(
-            self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=self.trainable(),
+            self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=state,
             meta=meta, recipe_yaml=self.recipe.to_yaml(), optimizer=self.optimizer, scheduler=self.scheduler,
             engine=self.engine, keep_last=self.recipe.checkpoint.keep_last)
 
@@ -447,8 +466,8 @@ class Trainer:
             lm, refill = self.micro_step(batch_tensors, scale, refill_scale, last=j == len(tensors) - 1)
             loss_total, refill_total = loss_total + lm, refill_total + refill
             kl_total, kl_tokens = kl_total + self.loss_module.last_kl[0], kl_tokens + self.loss_module.last_kl[1]
-        grad_norm = self.optimizer_step()
         (loss_sum, refill_sum) = info.all_reduce_sum([loss_total, refill_total])
+        grad_norm = self.optimizer_step(step, finite_loss=math.isfinite(loss_sum) and math.isfinite(refill_sum))
         mix = Counter(int(v) for i in batch for v in self.dataset[int(i)]["intervals"])
         chunks = sum(mix.values())
         tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
@@ -509,17 +528,33 @@ class Trainer:
                 loss.backward()
         return float(loss_sum.detach()), float(refill_sum.detach())
 
-    def optimizer_step(self) -> float:
-        """Clip, step, schedule (DeepSpeed already did all three); returns the pre-clip grad norm."""
+    def optimizer_step(self, step: int, finite_loss: bool = True) -> float:
+        """Clip, step, schedule (DeepSpeed already did all three); returns the pre-clip grad norm.
+
+        A non-finite loss or gradient norm never reaches the weights (torch engine): the step is skipped
+        while ``train.skip_nonfinite_steps`` allows, else the run stops with :class:`NonFiniteError`.
+        Under DeepSpeed the update has happened by now; the run stops before anything is saved.
+        """
         if self.engine is not None:
             norm = self.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan")
+            norm = float(norm) if norm is not None else float("nan")
+            if not finite_loss or not math.isfinite(norm):
+                raise NonFiniteError(self._nonfinite_message(step, _what(finite_loss, norm), skippable=False))
+            return norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.recipe.train.max_grad_norm or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else None
         if self.scorer_map is not None:  # clipped on its own: its gradient must not scale the L1 update
             scorer_norm = torch.nn.utils.clip_grad_norm_(list(self.scorer_map.parameters()), clip)
             norm = scorer_norm if norm is None else norm
+        if not finite_loss or not math.isfinite(float(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            if self.nonfinite_steps > self.recipe.train.skip_nonfinite_steps:
+                raise NonFiniteError(self._nonfinite_message(step, _what(finite_loss, float(norm)), skippable=True))
+            self.log(f"warning: step {step}: non-finite loss or gradient norm, skipped "
+                     f"({self.nonfinite_steps} of train.skip_nonfinite_steps={self.recipe.train.skip_nonfinite_steps})")
+            return float(norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
