@@ -507,3 +507,20 @@ def test_export_refuses_non_finite_weights(workdir):
     with pytest.raises(ValueError, match="non-finite"):
         export_model(model, workdir / "nan-export")
     assert not (workdir / "nan-export").exists()
+
+
+def test_export_takes_the_geometry_the_model_trained_with_not_the_papers(workdir):
+    """A run on prepared data (data.path only, no data.prepare) exports its data's W0/S, from the
+    checkpoint's record or, for older checkpoints, from the data's manifest."""
+    from acre_train.export.checkpoint import load_checkpoint_model
+
+    run(recipe(workdir, "geo-prep", "train.max_steps=1"))  # prepares data1 with W0 32, S 16
+    _, result = run(recipe(workdir, "geo", "train.max_steps=1", "data.prepare=null"))
+    loaded = load_checkpoint_model(str(workdir / "geo"))
+    assert (loaded.inference["first_chunk"], loaded.inference["stride"]) == (32, 16)
+    meta_file = result.last_checkpoint / "acre_checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["geometry"]["first_chunk"] == 32
+    meta.pop("geometry")
+    meta_file.write_text(json.dumps(meta))
+    assert load_checkpoint_model(str(workdir / "geo")).inference["stride"] == 16

@@ -9,6 +9,7 @@ which covers ZeRO-1 and ZeRO-2 shards; without it, ``trainable.safetensors`` is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import json
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,8 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     prepare = ((recipe.get("data") or {}).get("prepare") or {})
     return LoadedCheckpoint(
         model=model.eval(), checkpoint=checkpoint, meta=meta, recipe=recipe, base_pointer=pointer,
-        weights_from=origin, tokenizer_spec=prepare.get("tokenizer"), inference=inference_defaults(prepare),
+        weights_from=origin, tokenizer_spec=prepare.get("tokenizer") or _data_tokenizer(recipe),
+        inference=inference_defaults(trained_geometry(meta, recipe)),
         scorer_state=scorer_state, scorer_spec=_learned_spec(recipe) if scorer_state else None,
     )
 
@@ -140,6 +142,28 @@ def _learned_spec(recipe: dict[str, Any]) -> str:
 
     spec = ((recipe.get("train") or {}).get("refill_loss") or {}).get("scorer") or "l2:layers=-1,heads=max"
     return ScorerSettings.parse(spec + ",learned=1" if "learned" not in spec else spec).describe()
+
+
+def trained_geometry(meta: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    """The chunking the model trained with: the checkpoint's record of its data's plan, else the prepared
+    data's manifest at the recipe's ``data.path``, else the recipe's ``data.prepare`` (older runs)."""
+    if meta.get("geometry"):
+        return dict(meta["geometry"])
+    data = recipe.get("data") or {}
+    manifest = Path(str(data.get("path") or "")) / "manifest.json"
+    if data.get("path") and manifest.is_file():
+        plan = json.loads(manifest.read_text(encoding="utf-8")).get("plan") or {}
+        if plan:
+            return plan
+    return dict(data.get("prepare") or {})
+
+
+def _data_tokenizer(recipe: dict[str, Any]) -> str | None:
+    data = recipe.get("data") or {}
+    manifest = Path(str(data.get("path") or "")) / "manifest.json"
+    if data.get("path") and manifest.is_file():
+        return (json.loads(manifest.read_text(encoding="utf-8")).get("tokenizer") or {}).get("name")
+    return None
 
 
 def inference_defaults(prepare: dict[str, Any]) -> dict[str, Any]:

@@ -378,6 +378,8 @@ class Trainer:
             "base_model": base_reference(self.recipe), "mode": self.recipe.mode, "stage": self.recipe.stage,
             "base_model_dir": str(self.run_dir / "base_model") if (self.run_dir / "base_model").is_dir() else None,
             "identity": self.identity(),
+            # What the model trained on (the prepared data's plan): export's default inference geometry.
+            "geometry": {k: plan[k] for k in ("first_chunk", "stride", "intervals") if k in (plan := self.manifest.get("plan") or {})},
         }
         return ckpt.save_checkpoint(
             self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=state,
