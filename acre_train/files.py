@@ -110,3 +110,30 @@ def disk_errors(what: str) -> Iterator[None]:
             raise DiskFullError(errno.ENOSPC, f"the disk is full while writing {what}; free space and run "
                                 "again (nothing half-written was kept)") from exc
         raise
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Put the finished folder ``tmp`` at ``final``: the old one is renamed aside, the new one renamed in,
+    then the old one is deleted. A kill at any moment leaves either the old or the new folder complete
+    at ``final`` (never a half-deleted one); leftovers are hidden ``.NAME.old-*`` folders, which
+    :func:`remove_stale` clears on the next run."""
+    import os
+    import shutil
+    import tempfile
+
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.replace(final, old / "x")
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(final: Path) -> None:
+    """Clear the hidden ``.NAME.partial-*`` / ``.NAME.old-*`` folders a killed run left beside ``final``."""
+    import shutil
+
+    for pattern in (f".{final.name}.partial-*", f".{final.name}.old-*"):
+        for stale in final.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)

@@ -166,3 +166,32 @@ def test_a_full_disk_while_saving_a_cache_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(DiskFullError, match="cache"):
         cache.save(tmp_path / "ctx.cache")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_is_replace_then_delete_and_a_kill_between_leaves_a_complete_folder(tmp_path, monkeypatch):
+    """publish_dir renames the old folder aside before the new one goes in: killed right after that
+    rename, ``final`` is the new, complete folder and the old one is a hidden leftover the next run clears."""
+    import shutil
+
+    from acre_train import files
+
+    final, new = tmp_path / "export", tmp_path / ".export.partial-1"
+    final.mkdir()
+    (final / "config.json").write_text("old")
+    (final / "weights").write_text("old weights")
+    new.mkdir()
+    (new / "config.json").write_text("new")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # a kill while the old folder is being deleted
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    try:
+        files.publish_dir(new, final)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert (final / "config.json").read_text() == "new" and not (final / "weights").exists()
+    assert list(tmp_path.glob(".export.old-*"))
+    files.remove_stale(final)
+    assert not list(tmp_path.glob(".export.*")) and (final / "config.json").read_text() == "new"

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..files import publish_dir, remove_stale
+
 # GGUF ``general.architecture`` values this toolkit can attach ACRE to. Mistral GGUFs written by
 # llama.cpp say "llama" (same tensors); transformers maps both onto its own classes.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -147,6 +149,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, dt
         elif any(out.iterdir()) if out.is_dir() else True:
             raise BaseError(f"{out} exists and is not a converted base (no {PROVENANCE_FILE}); choose another folder")
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)  # left by a killed conversion
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the base is an ordinary shared folder
     try:
@@ -164,9 +167,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, dt
             **(extra_provenance or {}),
         }
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out)
         log(f"converted {src.name} -> {out} ({dtype}, {time.time() - started:.0f} s)")
         return out
     finally:

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..files import disk_errors
+from ..files import disk_errors, publish_dir, remove_stale
 from .errors import DataError
 
 FORMAT_VERSION = 1
@@ -111,21 +111,14 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
         raise DataError(f"{path} exists and is not a prepared dataset (no manifest.json): --overwrite only "
                         "replaces what acre-train prepared; choose another output (data.path)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.partial-*"):  # left by a killed preparation
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale(path)  # left by a killed preparation
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
         with disk_errors(f"the prepared dataset {path}"):
             yield tmp
         if read_manifest(tmp) is None:
             raise DataError(f"internal error: {tmp} has no complete manifest; not publishing it")
-        old = None
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / "x")
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,7 +11,6 @@ weights) and records ``base_model_name_or_path``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..files import disk_errors
+from ..files import disk_errors, publish_dir, remove_stale
 from ..modeling.adapter import acre_state_dict, is_acre_model
 from ..modeling.hf import ACRE_EXPORT_FORMAT, ADAPTER_WEIGHTS, AcreConfig, wrap
 
@@ -70,9 +69,7 @@ def export_model(
                 from ..infer.learned_scorer import SCORER_WEIGHTS
 
                 scorer[0].save(out / SCORER_WEIGHTS, scorer[1])
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(out, final)
+        publish_dir(out, final)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return final
@@ -108,6 +105,5 @@ def _check_target(out: Path, overwrite: bool) -> Path:
         if not (out / "config.json").is_file() or json.loads((out / "config.json").read_text()).get("model_type") != "acre":
             raise FileExistsError(f"refusing to overwrite {out}: it is not an ACRE export")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by a killed export
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale(out)  # left by a killed export
     return out

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .checkpoint import write_text_atomic
 
