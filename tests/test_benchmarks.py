@@ -16,3 +16,11 @@ def test_train_step_cost_runs_tiny():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0].split()[:2] == ["length", "arm"] and len(lines) == 1 + 2 * 6
+
+
+def test_prep_throughput_runs_with_its_tokenizer_beside():
+    out = subprocess.run([sys.executable, "benchmarks/prep_throughput.py", "--copies", "1"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SMOKE FIGURE" in out.stdout and "pipeline/tokenizer" in out.stdout
+    assert len([line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]) == 2
