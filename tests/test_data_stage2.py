@@ -233,3 +233,40 @@ def test_messages_evidence_is_located_and_bad_evidence_reported(tmp_path):
     assert [e["line"] for e in manifest["skipped"]["examples"]] == [2]
     with pytest.raises(DataError, match=r"chat.jsonl:2.*outside message 0"):
         prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "s", strict=True, **PLAN))
+
+
+def test_packed_questions_equal_their_single_conversations(tmp_path):
+    """pack_questions: a paragraph's questions share one context and become one row; training that row in the
+    refilled layout gives the loss of its single conversations, and the preparation records the packing."""
+    import torch
+
+    from acre_train.data.errors import InputProblems
+    from acre_train.data.stage2 import iter_examples, pack_rows, stage2_row
+    from acre_train.data.tokenizer import open_tokenizer
+    from acre_train.infer.scorers import ScorerSettings
+    from acre_train.modeling import attach_acre
+    from acre_train.tiny import tiny_model
+    from acre_train.train.refill_sim import SimSettings, collate_sim, sim_loss_sum, sim_sample
+
+    settings = Stage2Settings(builtin=True, output=tmp_path / "packed", context_tokens=160, max_length=400,
+                              questions_per_paragraph=3, pack_questions=3, first_chunk=32, stride=16, intervals=(4,),
+                              max_samples=9)
+    tok, l1_id, _ = open_tokenizer(settings)
+    examples = list(iter_examples(settings, tok, InputProblems(strict=True)))[:9]
+    singles = [stage2_row(ex, i, tok, settings, l1_id) for i, ex in enumerate(examples)]
+    singles = [r for r in singles if r["status"] == "ok"]
+    packed = pack_rows(singles, 3, settings, l1_id)
+    assert len(packed) < len(singles) and sum(len(r["question"]) // 2 for r in packed) == len(singles)
+    sim = SimSettings(first_chunk=32, stride=16, interval=4, working_window=10_000, max_refill=8,
+                      scorer=ScorerSettings.parse("l2:layers=-1"))
+    model = attach_acre(tiny_model("qwen2", seed=0, vocab_size=tok.vocab_size, eos_token_id=0))
+    with torch.no_grad():
+        got = sim_loss_sum(model, collate_sim([sim_sample(r, sim) for r in packed]), sim)
+        want = sim_loss_sum(model, collate_sim([sim_sample(r, sim) for r in singles]), sim)
+    assert got[1] == want[1] > 0
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-6)
+
+    prepare_stage2(settings, log=lambda *_: None)
+    dataset, manifest = load_prepared(tmp_path / "packed")
+    assert manifest["counts"]["pack_questions"] == 3 and manifest["counts"]["questions"] > len(dataset)
+    assert "evidence_question" in dataset.column_names

@@ -42,7 +42,7 @@ def test_training_logits_equal_the_engines_answer_for_a_fixed_selection(arch, ct
     sample = unpad(collate_sim([sim_sample(_row(ctx, question, answer, first_chunk=8, stride=8, interval=2),
                                            settings)]), 0)
     with torch.no_grad():
-        out, chosen = sim_forward(model, sample, settings, selected=selected, return_logits=True)
+        ((out, chosen),) = sim_forward(model, sample, settings, selected=[selected], return_logits=True)
     labels = sample["open_labels"]
     rows = torch.nonzero(labels != -100).reshape(-1)
     assert len(rows) == len(answer) and labels[rows].tolist() == answer
@@ -67,10 +67,10 @@ def test_the_simulated_selection_is_the_engines_and_forcing_brings_the_evidence(
     cache = engine.build(ctx)
     plain = unpad(collate_sim([sim_sample(row, settings)]), 0)
     with torch.no_grad():
-        _, chosen = sim_forward(model, plain, settings)
+        ((_, chosen),) = sim_forward(model, plain, settings)
         assert chosen.tolist() == engine.answer(cache, question, max_new_tokens=1).selected
         forced = unpad(collate_sim([sim_sample(row, settings, force=True)]), 0)
-        _, with_evidence = sim_forward(model, forced, settings)
+        ((_, with_evidence),) = sim_forward(model, forced, settings)
     # Raw tokens 9, 10 lie in span 2 (raw 8..11) of chunk 0.
     assert np.flatnonzero(forced["evidence_spans"].numpy()).tolist() == [2]
     assert 2 in with_evidence.tolist() and len(with_evidence) == 2
@@ -81,7 +81,7 @@ def test_gradients_reach_l1_weights_through_the_refilled_prefix():
     settings = _settings()
     ctx, question, answer = _ids(43, 7), _ids(5, 8), _ids(4, 9)
     sample = unpad(collate_sim([sim_sample(_row(ctx, question, answer), settings)]), 0)
-    out, _ = sim_forward(model, sample, settings, selected=[1, 3])
+    ((out, _),) = sim_forward(model, sample, settings, selected=[[1, 3]])
     out.loss_sum.backward()
     grads = {n: p.grad for n, p in acre_parameters(model)}
     assert all(g is not None for g in grads.values())
@@ -90,3 +90,44 @@ def test_gradients_reach_l1_weights_through_the_refilled_prefix():
     assert k_proj and all(float(g.abs().sum()) > 0 for g in k_proj)
     assert all(p.grad is None for n, p in model.named_parameters() if not n.split(".")[-2].startswith("acre_")
                and "acre_" not in n)
+
+
+def _packed_row(ctx, qas, evidence, first_chunk=16, stride=16, interval=4):
+    """One context followed by several question+answer segments (what a packed stage-2 row holds)."""
+    raw, labels, question, ev, owner = list(ctx), [-100] * len(ctx), [], [], []
+    for j, (q, a) in enumerate(qas):
+        question += [len(raw), len(raw) + len(q)]
+        raw += q + a
+        labels += [-100] * len(q) + a
+    for j, span in enumerate(evidence):
+        ev += list(span)
+        owner.append(j)
+    plan = interleave(raw, first_chunk=first_chunk, stride=stride, intervals=interval, raw_labels=labels)
+    return {**plan.as_dict(), "evidence": ev, "evidence_question": owner, "question": question}
+
+
+def test_a_packed_sample_is_the_sum_of_its_single_questions():
+    """One context forward for three questions: the loss (and each question's selection) equals that of the
+    three single-question samples, and the gradients agree."""
+    from acre_train.modeling import acre_parameters as params
+    from acre_train.train.refill_sim import sim_loss_sum
+
+    settings = _settings(max_refill=8, scorer=ScorerSettings.parse("l2:layers=-1,heads=max"))
+    ctx = _ids(43, 11)
+    qas = [(_ids(5, 12 + j), _ids(3 + j, 20 + j)) for j in range(3)]
+    evidence = [(4, 6), (20, 22), (30, 33)]
+    packed = _packed_row(ctx, qas, evidence)
+    singles = [_row(ctx, q, a, evidence=e) for (q, a), e in zip(qas, evidence)]
+    forces = [True, False, True]
+    losses, grads = [], []
+    for samples in ([sim_sample(packed, settings, force=forces)],
+                    [sim_sample(r, settings, force=f) for r, f in zip(singles, forces)]):
+        model = _model("qwen2")
+        loss, count, _ = sim_loss_sum(model, collate_sim(samples), settings)
+        loss.backward()
+        losses.append((loss, count))
+        grads.append({n: p.grad for n, p in params(model)})
+    assert losses[0][1] == losses[1][1] == sum(len(a) for _, a in qas)
+    torch.testing.assert_close(losses[0][0], losses[1][0], atol=1e-5, rtol=1e-6)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)

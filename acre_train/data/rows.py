@@ -10,7 +10,7 @@ from ..modeling.interleave import interleave, num_chunks, sample_intervals
 from .settings import PlanSettings
 
 
-def features(stage: int):
+def features(stage: int, packed: bool = False):
     """The Arrow schema of output rows. Token columns are int32 (half the disk of int64; every
     vocabulary and position fits); ``is_l1`` is bool. Collators cast to int64 as torch needs."""
     from datasets import Features, List, Value
@@ -29,6 +29,8 @@ def features(stage: int):
         # recorded) and the question's [start, end) (the tokens after the context, before the answer).
         spec["evidence"] = ints
         spec["question"] = ints
+        if packed:  # several [start, end) pairs in "question"; the question of each evidence range
+            spec["evidence_question"] = ints
     return Features(spec)
 
 

@@ -137,10 +137,16 @@ class Stage2Settings(_Common):
     system_prompt: str | None = None
     context_tokens: int = 4096
     questions_per_paragraph: int = 1
+    # > 1: consecutive conversations with the same context become one sample of up to this many
+    # question/answer segments after one context (train with train.refill_sim: each question answers
+    # over the context alone). SQuAD input then gives a paragraph's questions one shared context.
+    pack_questions: int = 1
     max_samples: int | None = None
 
     def __post_init__(self) -> None:
         self._check_common()
+        if self.pack_questions < 1:
+            raise DataError(f"pack_questions must be >= 1, got {self.pack_questions}")
         if self.format not in ("auto", "messages", "sharegpt", "alpaca", "squad"):
             raise DataError(f"unknown format {self.format!r}; choose auto, messages, sharegpt, alpaca or squad")
         if self.overlong not in ("truncate", "drop"):

@@ -147,13 +147,16 @@ def build_long_qa(
     context_tokens: int,
     questions_per_paragraph: int = 1,
     seed: int = 0,
+    share_context: bool = False,
 ) -> Iterator[QAExample]:
     """Yield one long-context QA conversation per answerable question (up to the per-paragraph cap).
 
     ``paragraph_tokens[i]``: token count of paragraph ``i`` (the caller's tokenizer). Distractors
     are drawn without replacement from all other paragraphs until gold + distractors reach
     ``context_tokens`` (or the pool runs out); the gold paragraph's depth is uniform over the
-    ``len(distractors) + 1`` slots. Deterministic per (seed, question number).
+    ``len(distractors) + 1`` slots. Deterministic per (seed, question number), or with
+    ``share_context`` per (seed, paragraph): a paragraph's questions then share one context (what
+    ``pack_questions`` packs into one sample).
     """
     if len(paragraph_tokens) != len(paragraphs):
         raise ValueError("need one token count per paragraph")
@@ -161,7 +164,8 @@ def build_long_qa(
     number = 0
     for gold, para in enumerate(paragraphs):
         for qa in para.qas[:questions_per_paragraph]:
-            rng = np.random.default_rng(np.random.SeedSequence((seed, _DEPTH_STREAM, number)))
+            draw = (seed, _DEPTH_STREAM, 1 << 40, gold) if share_context else (seed, _DEPTH_STREAM, number)
+            rng = np.random.default_rng(np.random.SeedSequence(draw))
             order = rng.permutation(len(paragraphs))
             order = order[order != gold]
             # Paragraphs taken while the running total (gold included) is below the target.

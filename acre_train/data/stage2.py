@@ -23,6 +23,7 @@ from .formats import to_messages
 from .output import FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, reusable, write_manifest
 from .readers import expand_inputs, read_files, read_hub_dataset
 from .rows import features, plan_row
+from ..modeling.interleave import IGNORE_INDEX
 from .settings import Stage2Settings
 from .squad import build_long_qa, load_squad_files, paragraphs_from_records, paragraphs_from_squad_json
 from .stage1 import build_manifest, describe_source, input_records, preparation_key
@@ -49,7 +50,8 @@ def iter_examples(settings: Stage2Settings, tokenizer: Any, problems: InputProbl
             raise DataError("the SQuAD input holds no paragraph")
         lengths = [len(x) for x in tokenizer([p.context for p in paragraphs], add_special_tokens=False)["input_ids"]]
         for ex in build_long_qa(paragraphs, lengths, context_tokens=settings.context_tokens,
-                                questions_per_paragraph=settings.questions_per_paragraph, seed=settings.seed):
+                                questions_per_paragraph=settings.questions_per_paragraph, seed=settings.seed,
+                                share_context=settings.pack_questions > 1):
             messages, context, evidence = ex.messages, ex.context, [list(e) for e in ex.evidence]
             if settings.system_prompt:
                 messages = [{"role": "system", "content": settings.system_prompt}, *messages]
@@ -181,15 +183,81 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
         if len(kept) == 0:
             raise DataError(f"every one of {len(examples)} conversations was dropped: {dropped}")
         kept = kept.remove_columns("status")
+        if settings.pack_questions > 1:
+            kept = pack_dataset(kept, settings, l1_id)
         kept.save_to_disk(str(out))
         extra = {"examples": len(examples), "truncated": statuses.get("truncated", 0),
                  "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"])),
-                 "with_evidence": int(sum(1 for e in kept["evidence"] if len(e)))}
+                 "with_evidence": int(sum(1 for e in kept["evidence"] if len(e))),
+                 "pack_questions": settings.pack_questions, "questions": int(sum(len(q) // 2 for q in kept["question"]))}
         manifest = build_manifest(2, settings, kept, inputs, tok_facts, l1_id, problems, key, extra)
         manifest["dropped_by_reason"] = dropped
         write_manifest(out, manifest)
     log(f"wrote {len(kept)} samples to {settings.output} ({extra['truncated']} truncated, {extra['dropped']} dropped)")
     return settings.output
+
+
+def pack_rows(rows: list[dict[str, Any]], pack: int, settings: Stage2Settings, l1_id: int) -> list[dict[str, Any]]:
+    """Rows -> packed rows: consecutive rows whose raw tokens before the question are identical (the same
+    context) become one row of that context followed by up to ``pack`` question+answer segments.
+
+    Each segment keeps its own labels; ``question`` lists every segment's ``[start, end)`` and
+    ``evidence_question`` the segment each evidence range belongs to. Only ``train.refill_sim``
+    trains such rows correctly (it answers each segment over the context alone).
+    """
+    out: list[dict[str, Any]] = []
+    group: list[tuple[dict[str, Any], np.ndarray, np.ndarray]] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        first, raw0, _ = group[0]
+        start = int(first["question"][0])
+        raw, labels = [raw0[:start]], [np.full(start, IGNORE_INDEX, dtype=np.int64)]
+        question, evidence, owner, metas, offset = [], [], [], [], start
+        for j, (row, raw_j, unshifted_j) in enumerate(group):
+            q0, q1 = int(row["question"][0]), int(row["question"][1])
+            raw.append(raw_j[q0:])
+            labels.append(unshifted_j[q0:])
+            question += [offset, offset + q1 - q0]
+            offset += len(raw_j) - q0
+            pairs = np.asarray(row["evidence"], dtype=np.int64).reshape(-1, 2)
+            evidence += pairs.reshape(-1).tolist()
+            owner += [j] * len(pairs)
+            metas.append(json.loads(row["meta"]))
+        packed = plan_row(np.concatenate(raw), np.concatenate(labels), settings, int(first["sample_index"]), l1_id)
+        packed.update(meta=json.dumps({"packed": metas}), num_answer_tokens=int(sum(r["num_answer_tokens"] for r, _, _ in group)),
+                      evidence=np.asarray(evidence, dtype=np.int32), question=np.asarray(question, dtype=np.int32),
+                      evidence_question=np.asarray(owner, dtype=np.int32))
+        out.append(packed)
+        group.clear()
+
+    for row in rows:
+        is_l1 = np.asarray(row["is_l1"], dtype=bool)
+        raw = np.asarray(row["input_ids"], dtype=np.int64)[~is_l1]
+        shifted = np.asarray(row["labels"], dtype=np.int64)[~is_l1]
+        unshifted = np.concatenate([[IGNORE_INDEX], shifted[:-1]])  # the HF convention plan_row takes
+        start = int(row["question"][0]) if len(row["question"]) == 2 else -1
+        same = bool(group) and start == int(group[0][0]["question"][0]) and np.array_equal(raw[:start], group[0][1][:start])
+        if group and (len(group) == pack or not same):
+            flush()
+        if start < 0:  # no question recorded: nothing to pack it with
+            group.append((row, raw, unshifted))
+            flush()
+            continue
+        group.append((row, raw, unshifted))
+    flush()
+    return out
+
+
+def pack_dataset(kept, settings: Stage2Settings, l1_id: int):
+    """The kept rows, packed (:func:`pack_rows`), as a dataset with the packed schema."""
+    import datasets
+
+    rows = pack_rows(list(kept.with_format("numpy")), settings.pack_questions, settings, l1_id)
+    schema = features(2, packed=True)
+    del schema["status"]
+    return datasets.Dataset.from_list(rows, features=schema)
 
 
 def preview_stage2(settings: Stage2Settings, n: int) -> tuple[list[dict[str, Any]], Any]:

@@ -95,8 +95,9 @@ class Collator:
         if self.sim is not None:
             from .refill_sim import collate_sim, force_draw, sim_sample
 
-            batch = collate_sim([sim_sample(r, self.sim, force=force_draw(
-                self.seed, int(r.get("sample_index", 0)), step, self.sim.force_evidence)) for r in rows])
+            batch = collate_sim([sim_sample(r, self.sim, force=[force_draw(
+                self.seed, int(r.get("sample_index", 0)) * 1024 + j, step, self.sim.force_evidence)
+                for j in range(max(1, len(r["question"]) // 2))]) for r in rows])
             batch["labels"] = batch["sim_open_labels"]  # what label_count and the loss scale read
             return batch
         if not self.vanilla:

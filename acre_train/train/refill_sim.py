@@ -66,25 +66,37 @@ class SimSettings:
 
 # ------------------------------------------------------------------------------- one sample, numpy
 
-def split_row(row: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """``(raw ids, raw labels (shifted, as the row stores them), question start, answer start)``."""
+def split_row(row: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """``(raw ids, raw labels (shifted, as the row stores them), questions)``; each question is
+    ``(start, answer start, end)`` of its segment. A packed row (``question`` holds N start/end pairs)
+    is one context followed by N question+answer segments, each answered as if it came alone."""
     is_l1 = np.asarray(row["is_l1"], dtype=bool)
     raw = np.asarray(row["input_ids"])[~is_l1].astype(np.int64)
     labels = np.asarray(row["labels"])[~is_l1].astype(np.int64)
     question = np.asarray(row.get("question", []), dtype=np.int64).reshape(-1)
-    if len(question) != 2:
+    if len(question) < 2 or len(question) % 2:
         raise ValueError("train.refill_sim needs stage-2 rows that record where the question starts ('question' "
                          "column); re-prepare the data with this version")
-    targets = np.flatnonzero(labels != IGNORE_INDEX)
-    answer = int(targets[0]) + 1 if len(targets) else len(raw)
-    return raw, labels, int(question[0]), answer
+    starts = [int(x) for x in question[0::2]]
+    ends = starts[1:] + [len(raw)]
+    out = []
+    for q_start, end in zip(starts, ends):
+        targets = q_start + np.flatnonzero(labels[q_start:end] != IGNORE_INDEX)
+        out.append((q_start, int(targets[0]) + 1 if len(targets) else end, end))
+    return raw, labels, out
 
 
-def sim_sample(row: dict[str, Any], settings: SimSettings, force: bool = False) -> dict[str, np.ndarray]:
-    """What the simulated inference of one row needs, as arrays (the collator pads them)."""
-    raw, labels, q_start, a_start = split_row(row)
+def sim_sample(row: dict[str, Any], settings: SimSettings, force: bool | Sequence[bool] = False) -> dict[str, np.ndarray]:
+    """What the simulated inference of one row needs, as arrays (the collator pads them).
+
+    Every question ``j`` of the row gets an open chunk (the context's raw tail + its own segment),
+    concatenated with ``open_question`` naming the question of each token; ``force[j]``: refill
+    question ``j``'s evidence first."""
+    raw, labels, questions = split_row(row)
+    n_q = len(questions)
+    force = [bool(force)] * n_q if isinstance(force, (bool, np.bool_)) else [bool(f) for f in force]
     cache = settings.cache_settings()
-    context = raw[:q_start]
+    context = raw[: questions[0][0]]
     done, raw_done = finished_chunks(len(context), cache)
     plan = interleave(context, first_chunk=cache.first_chunk, stride=cache.stride, intervals=cache.interval)
     closed = plan.chunk_ids < done
@@ -93,23 +105,33 @@ def sim_sample(row: dict[str, Any], settings: SimSettings, force: bool = False) 
     span_ends = l1_slots - np.arange(len(l1_slots))  # raw tokens before each L1 entry (as build_cache)
     bounds = np.concatenate([[0], span_ends]).astype(np.int64)
     carry = raw_done - int(span_ends[-1]) if len(span_ends) else raw_done
-    # The open chunk predicts what the row labels after the context: raw token i of it predicts
-    # unshifted[i + 1], i.e. the row's shifted label of raw token raw_done + i.
-    open_raw = raw[raw_done:]
-    unshifted = np.concatenate([[IGNORE_INDEX], labels[raw_done:-1]]) if len(open_raw) else open_raw
-    open_plan = interleave(open_raw, first_chunk=max(len(open_raw), 1), stride=max(len(open_raw), 1),
-                           intervals=cache.interval, carry_in=carry, raw_labels=unshifted)
+    tail = np.arange(raw_done, questions[0][0])
     evidence = np.asarray(row.get("evidence", []), dtype=np.int64).reshape(-1, 2)
-    in_evidence = np.zeros(raw_done, dtype=bool)
-    for a, b in evidence:
-        in_evidence[max(a, 0):min(b, raw_done)] = True
+    owner = np.asarray(row.get("evidence_question", [0] * len(evidence) if n_q == 1 else []), dtype=np.int64)
+    opens: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "is_l1", "positions", "labels", "question")}
+    q_ids, q_bounds, ev_spans = [], [0], []
+    for j, (q_start, a_start, end) in enumerate(questions):
+        # Raw token i of the open chunk predicts unshifted[i + 1]: the row's shifted label of that token.
+        rows = np.concatenate([tail, np.arange(q_start, end)])
+        unshifted = np.concatenate([[IGNORE_INDEX], labels[rows[:-1]]]) if len(rows) else rows
+        open_plan = interleave(raw[rows], first_chunk=max(len(rows), 1), stride=max(len(rows), 1),
+                               intervals=cache.interval, carry_in=carry, raw_labels=unshifted)
+        for k in ("input_ids", "is_l1", "positions", "labels"):
+            opens[k].append(np.asarray(getattr(open_plan, k)))
+        opens["question"].append(np.full(len(open_plan.input_ids), j, dtype=np.int64))
+        q_ids.append(raw[q_start:a_start])
+        q_bounds.append(q_bounds[-1] + a_start - q_start)
+        in_evidence = np.zeros(raw_done, dtype=bool)
+        mine = evidence if not len(owner) else evidence[owner == j] if len(owner) == len(evidence) else evidence
+        for a, b in mine:
+            in_evidence[max(a, 0):min(b, raw_done)] = True
+        ev_spans.append(spans_with(torch.from_numpy(in_evidence), torch.from_numpy(bounds)).numpy()
+                        if len(bounds) > 1 else np.zeros(0, dtype=bool))
     out = {f"ctx_{k}": np.asarray(getattr(plan, k))[closed] for k in PLAN}
-    out.update({f"open_{k}": np.asarray(getattr(open_plan, k)) for k in ("input_ids", "is_l1", "positions")})
-    out["open_labels"] = np.asarray(open_plan.labels)
-    out.update(raw_ids=raw, question_ids=raw[q_start:a_start], tail_ids=raw[raw_done:q_start], span_bounds=bounds,
-               evidence_spans=spans_with(torch.from_numpy(in_evidence), torch.from_numpy(bounds)).numpy()
-               if len(bounds) > 1 else np.zeros(0, dtype=bool),
-               scalars=np.asarray([carry, raw_done, int(force)], dtype=np.int64))
+    out.update({f"open_{k}": np.concatenate(v) for k, v in opens.items()})
+    out.update(raw_ids=raw[:raw_done], question_ids=np.concatenate(q_ids), question_bounds=np.asarray(q_bounds),
+               tail_ids=raw[tail], span_bounds=bounds, evidence_spans=np.concatenate(ev_spans),
+               force=np.asarray(force, dtype=bool), scalars=np.asarray([carry, raw_done, n_q], dtype=np.int64))
     return out
 
 
@@ -147,10 +169,11 @@ def unpad(batch: dict[str, torch.Tensor], b: int) -> dict[str, torch.Tensor]:
 # -------------------------------------------------------------------------------------- forward
 
 def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: SimSettings, *, kernel: str | None = None,
-                selected: Sequence[int] | None = None, return_logits: bool = False):
-    """``(open-chunk AcreOutput, selected spans)`` of one sample in the refilled layout.
+                selected: Sequence[Sequence[int]] | None = None, return_logits: bool = False):
+    """``[(open-chunk AcreOutput, selected spans)]`` of one sample in the refilled layout, one per question.
 
-    ``selected`` fixes the spans (tests, oracle studies); otherwise they are chosen as inference does.
+    The context runs once; every question refills and answers over it on its own. ``selected[j]``
+    fixes question ``j``'s spans (tests, oracle studies); otherwise they are chosen as inference does.
     """
     from ..infer.engine import AcreEngine
     from ..modeling.adapter import acre_forward
@@ -168,29 +191,36 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
         acre_forward(model, **{k: sample[f"ctx_{k}"].to(device)[None] for k in PLAN}, kernel=kernel, capture=capture)
     cache = _cache_view(model, keys, values, ctx_is_l1, sample, settings)
     engine = AcreEngine(model, cache_settings=settings.cache_settings(), refill=settings.refill())
-    carry, raw_done, force = (int(x) for x in sample["scalars"])
-    if selected is None:
-        selected_t = choose(engine, cache, sample, settings, force=bool(force))
-    else:
-        selected_t = torch.as_tensor(list(selected), dtype=torch.long)
+    results = []
+    m = cache.num_l1
+    for j in range(int(sample["scalars"][2])):
+        bounds = sample["question_bounds"]
+        q_ids = sample["question_ids"][int(bounds[j]) : int(bounds[j + 1])].tolist()
+        if selected is None:
+            evidence = sample["evidence_spans"][j * m : (j + 1) * m].bool().cpu() if bool(sample["force"][j]) else None
+            chosen = choose(engine, cache, q_ids, settings, evidence=evidence)
+        else:
+            chosen = torch.as_tensor(list(selected[j]), dtype=torch.long)
+        prefix = _refilled_prefix(model, keys, values, ctx_is_l1, cache, chosen, layers)
+        length = prefix[0][0].shape[2] if prefix else 0
+        mine = sample["open_question"] == j
+        n = int(mine.sum())
+        positions = sample["open_positions"][mine].to(device)[None] + length
+        open_is_l1 = sample["open_is_l1"][mine].bool().to(device)[None]
+        out = acre_forward(
+            model, input_ids=sample["open_input_ids"][mine].to(device)[None], is_l1=open_is_l1,
+            chunk_ids=torch.zeros(1, n, dtype=torch.long, device=device), positions=positions,
+            memory_positions=torch.where(open_is_l1, positions, -1), labels=sample["open_labels"][mine].to(device)[None],
+            kernel="chunked", prefix=(lambda layer, prefix=prefix: prefix[layer]) if prefix else None,
+            return_logits=return_logits,
+        )
+        results.append((out, chosen))
+    return results
 
-    prefix = _refilled_prefix(model, keys, values, ctx_is_l1, cache, selected_t, layers)
-    length = prefix[0][0].shape[2] if prefix else 0
-    n = len(sample["open_input_ids"])
-    positions = sample["open_positions"].to(device)[None] + length
-    open_is_l1 = sample["open_is_l1"].bool().to(device)[None]
-    out = acre_forward(
-        model, input_ids=sample["open_input_ids"].to(device)[None], is_l1=open_is_l1,
-        chunk_ids=torch.zeros(1, n, dtype=torch.long, device=device), positions=positions,
-        memory_positions=torch.where(open_is_l1, positions, -1), labels=sample["open_labels"].to(device)[None],
-        kernel="chunked", prefix=(lambda layer: prefix[layer]) if prefix else None, return_logits=return_logits,
-    )
-    return out, selected_t
 
-
-def choose(engine, cache: BiLayerCache, sample: dict[str, torch.Tensor], settings: SimSettings, *, force: bool) -> torch.Tensor:
-    """The spans inference would refill for this question (evidence first when ``force``)."""
-    q_ids = sample["question_ids"].tolist()
+def choose(engine, cache: BiLayerCache, q_ids: list[int], settings: SimSettings, *,
+           evidence: torch.Tensor | None = None) -> torch.Tensor:
+    """The spans inference would refill for this question (``evidence`` ``[m]`` bool: those first)."""
     plan, k = engine.open_chunk(cache, q_ids)
     if settings.k is not None:
         k = max(0, min(settings.k, cache.num_l1))
@@ -199,8 +229,7 @@ def choose(engine, cache: BiLayerCache, sample: dict[str, torch.Tensor], setting
         return torch.arange(k)
     scorer = settings.scorer
     forced = forced_spans(cache, scorer)
-    if force and bool(sample["evidence_spans"].any()):
-        evidence = sample["evidence_spans"].bool().cpu()
+    if evidence is not None and bool(evidence.any()):
         forced = evidence if forced is None else (evidence | forced)
     with torch.no_grad():
         queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids),
@@ -226,7 +255,7 @@ def _cache_view(model: nn.Module, keys, values, ctx_is_l1: torch.Tensor, sample,
         empty = torch.zeros(layers, kv_heads, 0, dim, dtype=dtype, device=device)
         l1_keys = l1_values = l2_keys = l2_values = empty
     rot = Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])) if l1_keys.shape[2] else l1_keys
-    carry, raw_done, _ = (int(x) for x in sample["scalars"])
+    carry, raw_done = int(sample["scalars"][0]), int(sample["scalars"][1])
     return BiLayerCache(settings=settings.cache_settings(), fingerprint="", l1_keys=l1_keys, l1_keys_rot=rot,
                         l1_values=l1_values, l2_keys=l2_keys, l2_values=l2_values,
                         span_bounds=sample["span_bounds"].cpu().long(), tail_ids=sample["tail_ids"].tolist(),
@@ -254,30 +283,32 @@ def _refilled_prefix(model, keys, values, ctx_is_l1, cache: BiLayerCache, select
 
 def sim_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], settings: SimSettings, kernel: str | None = None,
                  distill: dict[str, Any] | None = None) -> tuple[torch.Tensor, int, tuple[torch.Tensor, int] | None]:
-    """``(answer-loss sum, label tokens, (KL sum, KL tokens) or None)`` of a collated batch, each sample in
-    the refilled layout; with ``distill`` the frozen base (full attention over the row's raw tokens)
-    is the teacher of every answer token."""
+    """``(answer-loss sum, label tokens, (KL sum, KL tokens) or None)`` of a collated batch, each sample
+    (and each question of a packed sample) in the refilled layout; with ``distill`` the frozen base (full
+    attention over the context and that question alone) is the teacher of every answer token."""
     total, count = None, 0
     kl_total, kl_count = None, 0
     for b in range(batch["sim_scalars"].shape[0]):
         sample = unpad(batch, b)
-        out, _ = sim_forward(model, sample, settings, kernel=kernel)
-        total = out.loss_sum if total is None else total + out.loss_sum
-        count += out.num_tokens
-        if distill is not None:
-            part, n = _sample_kl(model, sample, out.hidden_states[0], distill)
-            kl_total = part if kl_total is None else kl_total + part
-            kl_count += n
+        for j, (out, _) in enumerate(sim_forward(model, sample, settings, kernel=kernel)):
+            total = out.loss_sum if total is None else total + out.loss_sum
+            count += out.num_tokens
+            if distill is not None:
+                part, n = _question_kl(model, sample, j, out.hidden_states[0], distill)
+                kl_total = part if kl_total is None else kl_total + part
+                kl_count += n
     return total, count, (kl_total, kl_count) if distill is not None else None
 
 
-def _sample_kl(model: nn.Module, sample: dict[str, torch.Tensor], hidden: torch.Tensor, distill: dict[str, Any]):
+def _question_kl(model: nn.Module, sample: dict[str, torch.Tensor], j: int, hidden: torch.Tensor, distill: dict[str, Any]):
     from .distill import kl_sum, teacher_top_k
 
-    labels = sample["open_labels"].to(hidden.device)
+    mine = sample["open_question"] == j
+    labels = sample["open_labels"][mine].to(hidden.device)
     rows = labels != IGNORE_INDEX
-    raw_done = int(sample["scalars"][1])
-    open_raw = torch.cumsum((~sample["open_is_l1"].bool()).long(), 0).to(hidden.device) - 1
-    at = raw_done + open_raw[rows]
-    logp, ids = teacher_top_k(model, sample["raw_ids"].to(hidden.device), at, distill["top_k"], distill["temperature"])
+    raw = ~sample["open_is_l1"][mine].bool()
+    # The teacher reads the context's closed chunks, then this question's open chunk, all raw.
+    teacher = torch.cat([sample["raw_ids"], sample["open_input_ids"][mine][raw]]).to(hidden.device)
+    at = len(sample["raw_ids"]) + (torch.cumsum(raw.long(), 0).to(hidden.device) - 1)[rows]
+    logp, ids = teacher_top_k(model, teacher, at, distill["top_k"], distill["temperature"])
     return kl_sum(model.lm_head, hidden[rows], logp, ids, distill["temperature"]), int(rows.sum())

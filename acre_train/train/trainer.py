@@ -130,13 +130,17 @@ class Trainer:
                 raise RecipeError([f"train.refill_loss needs stage-2 data with evidence positions; {r.data.path} "
                                    f"{'lacks the columns ' + str(missing) if missing else 'has no sample with evidence'} "
                                    "(re-prepare it with this version, from inputs that carry 'evidence' or from SQuAD)"])
+        if int(self.manifest.get("counts", {}).get("pack_questions") or 1) > 1 and not r.train.refill_sim.enabled:
+            raise RecipeError([f"{r.data.path} packs several questions per sample (data.prepare.pack_questions); only "
+                               "train.refill_sim trains them correctly (each question over the context alone): set "
+                               "train.refill_sim.enabled=true, or prepare with pack_questions: 1"])
         self.sim = self.sim_settings() if r.train.refill_sim.enabled else None
         if self.sim is not None:
             missing = [c for c in ("question", "evidence") if c not in dataset.column_names]
             if missing:
                 raise RecipeError([f"train.refill_sim needs stage-2 data that records the question and its evidence; "
                                    f"{r.data.path} lacks the columns {missing} (re-prepare it with this version)"])
-            extra = ("evidence", "question")
+            extra = tuple(c for c in ("evidence", "question", "evidence_question") if c in dataset.column_names)
             if held_out is not None:
                 self.eval_dataset = held_out.with_format("numpy", columns=[*PLAN_COLUMNS, *extra])
         self.dataset = dataset.with_format("numpy", columns=[*PLAN_COLUMNS, "intervals", "sample_index", *extra])
