@@ -9,8 +9,10 @@ its own process so that its peak memory (max RSS, CPU; max allocated, CUDA) is i
 
 Arms: ``plain`` (stage 2 as the paper: the answer over L1 memory), ``distill`` (+ the frozen base as
 teacher, top-64 KL), ``sim`` (the refilled layout, ``train.refill_sim``), ``sim+distill``, and
-stage 1 ``s1`` / ``s1+distill`` on the same tokens. Printed: seconds per sample (median of
-``--repeat``), ratio to ``plain`` at the same length, and peak MiB.
+``packed4`` (the refilled layout, four question/answer segments after one context:
+``data.prepare.pack_questions``), and stage 1 ``s1`` / ``s1+distill`` on the same tokens. Printed:
+seconds per sample (median of ``--repeat``), ratio to ``plain`` at the same length, answer tokens
+trained per second (what packing buys), and peak MiB.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 
-ARMS = ("plain", "distill", "sim", "sim+distill", "s1", "s1+distill")
+ARMS = ("plain", "distill", "sim", "sim+distill", "packed4", "s1", "s1+distill")
 
 
 def _model(base: str | None):
@@ -43,18 +45,23 @@ def _model(base: str | None):
     return attach_acre(model, lora={"rank": 16, "alpha": 32, "dropout": 0.0}).train()
 
 
-def _row(length: int, vocab: int, geometry: tuple[int, int, int]):
+def _row(length: int, vocab: int, geometry: tuple[int, int, int], questions: int = 1):
     import numpy as np
 
     from acre_train.modeling import interleave
 
     rng = np.random.default_rng(0)
-    ctx, question, answer = (rng.integers(10, vocab - 10, n).tolist() for n in (length, 16, 16))
-    labels = [-100] * (length + 16) + answer
+    raw = rng.integers(10, vocab - 10, length).tolist()
+    labels, question, evidence, owner = [-100] * length, [], [], []
+    for j in range(questions):  # 16-token question, 16-token answer per segment
+        q, a = rng.integers(10, vocab - 10, 16).tolist(), rng.integers(10, vocab - 10, 16).tolist()
+        question += [len(raw), len(raw) + 16]
+        raw, labels = raw + q + a, labels + [-100] * 16 + a
+        evidence += [length * (j + 1) // (questions + 2), length * (j + 1) // (questions + 2) + 20]
+        owner.append(j)
     first, stride, interval = geometry
-    plan = interleave(ctx + question + answer, first_chunk=first, stride=stride, intervals=interval, raw_labels=labels)
-    evidence = [length // 3, length // 3 + 20]
-    return {**plan.as_dict(), "evidence": [evidence], "question": [length, length + 16], "sample_index": 0}
+    plan = interleave(raw, first_chunk=first, stride=stride, intervals=interval, raw_labels=labels)
+    return {**plan.as_dict(), "evidence": evidence, "evidence_question": owner, "question": question, "sample_index": 0}
 
 
 def run_arm(arm: str, length: int, base: str | None, repeat: int, geometry: tuple[int, int, int]) -> dict:
@@ -67,14 +74,15 @@ def run_arm(arm: str, length: int, base: str | None, repeat: int, geometry: tupl
     from acre_train.train.refill_sim import SimSettings
 
     model = _model(base)
-    row = _row(length, model.config.vocab_size, geometry)
+    row = _row(length, model.config.vocab_size, geometry, questions=4 if arm == "packed4" else 1)
     first, stride, interval = geometry
     sim = SimSettings(first, stride, interval, working_window=32768, max_refill=6 * interval,
                       scorer=ScorerSettings.parse("l2:layers=-1,heads=max"), force_evidence=0.5)
     distill = {"weight": 0.5, "temperature": 1.0, "top_k": 64, "stage": 1 if arm.startswith("s1") else 2}
-    module = LossModule(model, sim=sim if arm.startswith("sim") else None,
+    uses_sim = arm.startswith("sim") or arm.startswith("packed")
+    module = LossModule(model, sim=sim if uses_sim else None,
                         distill=distill if arm.endswith("distill") else None)
-    if arm.startswith("sim"):
+    if uses_sim:
         batch = Collator(sim=sim)([row])
     else:
         if arm.startswith("s1"):  # stage 1: every raw token labelled
@@ -95,7 +103,9 @@ def run_arm(arm: str, length: int, base: str | None, repeat: int, geometry: tupl
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"arm": arm, "length": length, "seconds": statistics.median(times), "peak_mib": peak}
+    answers = int((batch["labels"] != -100).sum())
+    return {"arm": arm, "length": length, "seconds": statistics.median(times), "peak_mib": peak,
+            "answer_tokens_per_s": answers / statistics.median(times)}
 
 
 def main() -> None:
@@ -122,11 +132,11 @@ def main() -> None:
             if out.returncode:
                 sys.exit(f"{arm}@{length} failed:\n{out.stderr[-2000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{'length':>7} {'arm':<12} {'s/sample':>9} {'x plain':>8} {'peak MiB':>9}")
+    print(f"{'length':>7} {'arm':<12} {'s/sample':>9} {'x plain':>8} {'answer tok/s':>13} {'peak MiB':>9}")
     for row in rows:
         plain = next(r for r in rows if r["length"] == row["length"] and r["arm"] == ("s1" if row["arm"].startswith("s1") else "plain"))
         print(f"{row['length']:>7} {row['arm']:<12} {row['seconds']:>9.2f} {row['seconds'] / plain['seconds']:>8.2f} "
-              f"{row['peak_mib']:>9.0f}")
+              f"{row['answer_tokens_per_s']:>13.1f} {row['peak_mib']:>9.0f}")
 
 
 if __name__ == "__main__":
