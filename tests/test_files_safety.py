@@ -195,3 +195,20 @@ def test_overwrite_is_replace_then_delete_and_a_kill_between_leaves_a_complete_f
     assert list(tmp_path.glob(".export.old-*"))
     files.remove_stale(final)
     assert not list(tmp_path.glob(".export.*")) and (final / "config.json").read_text() == "new"
+
+
+def test_overwrite_never_deletes_a_folder_whose_manifest_is_not_ours(tmp_path):
+    """A folder holding someone else's manifest.json (a web app's) is not a prepared dataset: preparing
+    into it with overwrite is refused and nothing in it is touched."""
+    from acre_train.data import DataError, Stage1Settings, prepare_stage1
+    from acre_train.data.output import is_prepared_dataset
+
+    app = tmp_path / "webapp"
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "My App", "icons": [], "start_url": "/"}')
+    (app / "index.html").write_text("<html></html>")
+    assert not is_prepared_dataset(app)
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        prepare_stage1(Stage1Settings(builtin=True, output=app, overwrite=True, token_budget=2000,
+                                      min_length=64, max_length=128, first_chunk=32, stride=16), log=lambda *_: None)
+    assert (app / "index.html").read_text() == "<html></html>"

@@ -124,15 +124,30 @@ def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+TOOL = "acre-train"
+
+
 def is_prepared_dataset(path: Path) -> bool:
-    """A folder acre-train prepared (finished or not: it has a manifest), or an empty one."""
+    """A folder acre-train prepared, or an empty one. Any other folder -- even one with a file named
+    ``manifest.json`` (a web app's, say) -- is not, so ``--overwrite`` never deletes it."""
     path = Path(path)
-    return path.is_dir() and ((path / MANIFEST).is_file() or not any(path.iterdir()))
+    if not path.is_dir():
+        return False
+    if not any(path.iterdir()):
+        return True
+    try:
+        data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    # Older preparations carry no tool marker; their own keys identify them.
+    return data.get("tool") == TOOL or {"format_version", "fingerprint", "stage", "counts"} <= set(data)
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` (marked complete) into ``directory``; call it last."""
-    data = {**manifest, "complete": True}
+    data = {"tool": TOOL, **manifest, "complete": True}
     (Path(directory) / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
