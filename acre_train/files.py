@@ -137,3 +137,53 @@ def remove_stale(final: Path) -> None:
     for pattern in (f".{final.name}.partial-*", f".{final.name}.old-*"):
         for stale in final.parent.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+class FolderBusy(ValueError):
+    """Another process holds the folder (a run, a preparation, an export or a conversion)."""
+
+
+class FolderLock:
+    """An exclusive OS lock (``flock``) on ``folder`` for the life of a job, held in the hidden file
+    ``.NAME.lock`` beside it (the folder itself may not exist yet, or be replaced whole). A second
+    process is refused at once, naming the holder's pid; the kernel drops the lock when the holder
+    exits, however it exits, so a killed job never leaves a stale lock.
+
+    >>> with FolderLock(Path("/tmp/acre-doc-lock")):  # doctest: +SKIP
+    ...     ...
+    """
+
+    def __init__(self, folder: str | Path, what: str = "folder"):
+        folder = Path(folder)
+        self.folder, self.what = folder, what
+        self.path = folder.parent / f".{folder.name}.lock"
+        self._file = None
+
+    def __enter__(self) -> "FolderLock":
+        import fcntl
+        import os
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise FolderBusy(f"{self.folder} is in use by another {self.what} (pid {holder}); wait for it to "
+                             "finish, or choose another output") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._file = handle
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None

@@ -354,9 +354,9 @@ def test_a_learned_scorer_trains_apart_from_decoding(workdir):
     from acre_train.infer.load import load_export
     from acre_train.modeling.geometry import inference_settings
 
-    run(recipe(workdir, "s1", "train.max_steps=2"))
-    base = workdir / "s1" / "base_model"
-    stage1 = export_model(load_checkpoint_model(str(workdir / "s1")).model, workdir / "s1-export", adapter_only=True,
+    run(recipe(workdir, "ls-s1", "train.max_steps=2"))
+    base = workdir / "ls-s1" / "base_model"
+    stage1 = export_model(load_checkpoint_model(str(workdir / "ls-s1")).model, workdir / "ls-s1-export", adapter_only=True,
                           base_model=str(base))
     common = [f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}", "train.max_steps=3",
               "train.learning_rate=1e-2"]
@@ -524,3 +524,29 @@ def test_export_takes_the_geometry_the_model_trained_with_not_the_papers(workdir
     meta.pop("geometry")
     meta_file.write_text(json.dumps(meta))
     assert load_checkpoint_model(str(workdir / "geo")).inference["stride"] == 16
+
+
+def test_one_owner_per_folder_runs_preparations_and_exports(workdir):
+    """While another process holds a run dir, a data folder or an export folder, a second job there is
+    refused at once naming the holder's pid; resuming another run's checkpoint into a used run dir too."""
+    import os
+
+    from acre_train.data import prepare_stage1
+    from acre_train.export.writer import export_model
+    from acre_train.files import FolderBusy, FolderLock
+    from acre_train.train.recipe import RecipeError, prepare_settings, validate_recipe
+
+    _, first = run(recipe(workdir, "own-a", "train.max_steps=2"))
+    with FolderLock(workdir / "own-b"):  # another process training there
+        with pytest.raises(FolderBusy, match=f"pid {os.getpid()}"):
+            run(recipe(workdir, "own-b", "train.max_steps=1"))
+    assert not (workdir / "own-b" / "metrics.jsonl").exists()
+    settings = prepare_settings(recipe(workdir, "own-c", "data.prepare.overwrite=true"))
+    with FolderLock(settings.output):
+        with pytest.raises(FolderBusy, match="in use by another preparation"):
+            prepare_stage1(settings, log=lambda *_: None)
+    with FolderLock(workdir / "own-export"):
+        with pytest.raises(FolderBusy, match="export"):
+            export_model(attach_acre(tiny_model("qwen2", seed=0)), workdir / "own-export")
+    with pytest.raises(RecipeError, match="already belongs to a run"):
+        validate_recipe(recipe(workdir, "own-a", f"checkpoint.resume_from_checkpoint={workdir / 'own-b-x'}"))

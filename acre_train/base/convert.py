@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files import publish_dir, remove_stale
+from ..files import FolderLock, publish_dir, remove_stale
 
 # GGUF ``general.architecture`` values this toolkit can attach ACRE to. Mistral GGUFs written by
 # llama.cpp say "llama" (same tensors); transformers maps both onto its own classes.
@@ -133,7 +133,12 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     """
     if dtype not in DTYPES:
         raise BaseError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    src, out = Path(gguf_file), Path(out_dir)
+    with FolderLock(Path(out_dir), "conversion"):
+        return _convert(Path(gguf_file), Path(out_dir), dtype, overwrite, sha256, extra_provenance, log)
+
+
+def _convert(src: Path, out: Path, dtype: str, overwrite: bool, sha256: str | None, extra_provenance: dict | None,
+             log: Callable[[str], None]) -> Path:
     facts = read_gguf_facts(src)
     check_supported(facts, src)
     digest = sha256 or sha256_file(src)

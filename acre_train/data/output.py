@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..files import disk_errors, publish_dir, remove_stale
+from ..files import FolderLock, disk_errors, publish_dir, remove_stale
 from .errors import DataError
 
 FORMAT_VERSION = 1
@@ -99,8 +99,16 @@ def reusable(path: Path, key: str) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def atomic_output(path: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it replaces ``path``, on error it is removed."""
+    """Yield a fresh temporary directory; on success it replaces ``path``, on error it is removed.
+
+    The preparation owns ``path`` for its whole life (:class:`FolderLock`): a second one is refused.
+    """
     path = Path(path)
+    with FolderLock(path, "preparation"):
+        yield from _atomic_output(path, overwrite)
+
+
+def _atomic_output(path: Path, overwrite: bool) -> Iterator[Path]:
     if path.exists() and not overwrite:
         raise DataError(
             f"{path} exists and was made with other settings or inputs (or is incomplete); "

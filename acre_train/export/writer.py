@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..files import disk_errors, publish_dir, remove_stale
+from ..files import FolderLock, disk_errors, publish_dir, remove_stale
 from ..modeling.adapter import acre_state_dict, is_acre_model
 from ..modeling.hf import ACRE_EXPORT_FORMAT, ADAPTER_WEIGHTS, AcreConfig, wrap
 
@@ -58,7 +58,14 @@ def export_model(
     if bad:
         raise ValueError(f"refusing to export non-finite (NaN/inf) L1 weights: {', '.join(bad[:3])}"
                          f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; export an earlier checkpoint")
-    final = _check_target(Path(out_dir), overwrite)
+    with FolderLock(Path(out_dir), "export"):
+        return _export(model, Path(out_dir), tokenizer, adapter_only, base_model, inference, source, overwrite, scorer)
+
+
+def _export(model: nn.Module, out_dir: Path, tokenizer: Any, adapter_only: bool, base_model: str | None,
+            inference: dict[str, Any] | None, source: dict[str, Any] | None, overwrite: bool,
+            scorer: tuple[Any, str] | None) -> Path:
+    final = _check_target(out_dir, overwrite)
     # Written under a temporary name and renamed at the end: an interrupted export (kill, full disk)
     # never leaves a folder with a config.json that looks complete.
     out = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))

@@ -596,6 +596,12 @@ def _check_resume(recipe: Recipe) -> list[str]:
             return [f"run dir {recipe.run_dir} already belongs to a run ({found}); continue it with "
                     "checkpoint.resume_from_checkpoint=latest, replace it with checkpoint.overwrite=true "
                     "(or --overwrite), or choose another run_name"]
+    if resume and resume != "latest" and not recipe.checkpoint.overwrite:
+        inside = Path(resume).expanduser().resolve().is_relative_to(recipe.run_dir.expanduser().resolve())
+        found = None if inside else earlier_run(recipe.run_dir)
+        if found:  # resuming another run's checkpoint here would prune this dir's and mix two metrics logs
+            return [f"checkpoint.resume_from_checkpoint={resume} is not in run dir {recipe.run_dir}, which already "
+                    f"belongs to a run ({found}); resume into a new run_name (or the checkpoint's own run dir)"]
     if resume and recipe.checkpoint.overwrite:
         return ["checkpoint.overwrite=true and checkpoint.resume_from_checkpoint are both set; keep one"]
     if not resume or resume == "latest":

@@ -393,6 +393,27 @@ class Trainer:
     # ------------------------------------------------------------------------------------- loop
 
     def run(self) -> TrainResult:
+        """Train; the main rank owns the run dir for the whole run (a second process is refused at once)."""
+        if not self.info.is_main:
+            return self._run()
+        from ..files import FolderLock
+
+        with FolderLock(self.run_dir, "training run"):
+            self.check_still_free()
+            return self._run()
+
+    def check_still_free(self) -> None:
+        """The recipe checks ran before this process owned the run dir: a run that started meanwhile (and
+        has finished, releasing it) is refused here, as it would have been then."""
+        from .recipe import earlier_run
+
+        c = self.recipe.checkpoint
+        found = None if (c.resume_from_checkpoint or c.overwrite) else earlier_run(self.run_dir)
+        if found:
+            raise RecipeError([f"run dir {self.run_dir} already belongs to a run ({found}); continue it with "
+                               "checkpoint.resume_from_checkpoint=latest or choose another run_name"])
+
+    def _run(self) -> TrainResult:
         self.open_data()  # data problems surface before the model loads
         self.build()
         self.prepare_run_dir()
