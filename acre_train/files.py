@@ -147,7 +147,8 @@ class FolderLock:
     """An exclusive OS lock (``flock``) on ``folder`` for the life of a job, held in the hidden file
     ``.NAME.lock`` beside it (the folder itself may not exist yet, or be replaced whole). A second
     process is refused at once, naming the holder's pid; the kernel drops the lock when the holder
-    exits, however it exits, so a killed job never leaves a stale lock.
+    exits, however it exits, so a killed job never leaves a stale lock (only, then, an empty hidden
+    file); a job that ends normally removes the file.
 
     >>> with FolderLock(Path("/tmp/acre-doc-lock")):  # doctest: +SKIP
     ...     ...
@@ -184,6 +185,9 @@ class FolderLock:
         import fcntl
 
         if self._file is not None:
+            # Removed while still held: a process that opened it before is refused; one that opens it
+            # after makes a new file, by which time this job's work is done.
+            self.path.unlink(missing_ok=True)
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
