@@ -24,3 +24,14 @@ def test_prep_throughput_runs_with_its_tokenizer_beside():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SMOKE FIGURE" in out.stdout and "pipeline/tokenizer" in out.stdout
     assert len([line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]) == 2
+
+
+def test_gpu_check_runs_tiny_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--tiny", "--out", str(tmp_path / "g.json")],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert {r["status"] for r in data["train"] + data["inference"]} == {"ok"}
+    assert {r["arm"] for r in data["train"]} == {"acre", "full"} and len(data["inference"]) == 2
