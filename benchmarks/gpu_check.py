@@ -101,7 +101,10 @@ def train_step(shape: str, length: int, arm: str, device, dtype, geometry) -> di
     model = _model(shape, device, dtype, acre=not vanilla)
     if vanilla:
         model.requires_grad_(True)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Non-reentrant, as the trainer does (model.build_model): a chunk's loss reaches earlier L1 keys.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = np.random.default_rng(0).integers(10, model.config.vocab_size - 10, length)

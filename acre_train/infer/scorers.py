@@ -344,7 +344,8 @@ class QuestionQueries:
         key = ("learned-" + frame, layer)
         if key not in self.derived:
             rope = Rope.of(model)
-            mapped = qmap(layer, rope.unrotate(self.by_layer[layer].float(), self.memory_positions))
+            with torch.no_grad():  # ranking only: the map trains in train/refill_loss.py, never here
+                mapped = qmap(layer, rope.unrotate(self.by_layer[layer].float(), self.memory_positions))
             self.derived[key] = rope.rotate(mapped, self.memory_positions if frame == "memory" else self.text_positions)
         return self.derived[key]
 
