@@ -66,3 +66,12 @@ def test_reproduce_help_names_every_step_of_both_studies(capsys):
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even inside a hyphenated name
     assert "real:" + ",".join(REAL) + ";" in text
     assert "mini:" + ",".join(MINI) in text
+
+
+@pytest.mark.parametrize("flag", [["--force"], ["--nice", "5"]])
+def test_reproduce_real_refuses_the_mini_studys_flags_instead_of_ignoring_them(flag, capsys):
+    from acre_train.cli import main
+
+    assert main(["reproduce", "real", "--squad", "missing.json", *flag]) == 2
+    err = capsys.readouterr().err
+    assert f"does not take {flag[0]}" in err and "Traceback" not in err

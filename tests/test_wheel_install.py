@@ -28,7 +28,7 @@ def test_the_wheel_runs_the_quickstart_from_another_folder(tmp_path):
     assert where.startswith(str(site)), where  # the wheel, not the checkout
     listed = subprocess.run([sys.executable, "-m", "acre_train.cli", "recipes", "ls"], cwd=elsewhere, env=env,
                             capture_output=True, text=True, check=True).stdout
-    assert "qwen2.5-0.5b/stage1" in listed and "deepspeed/zero2.json" in listed
+    assert "qwen2.5-0.5b/stage1" in listed and "deepspeed/zero2.json" in listed and "mini/" not in listed
     run = subprocess.run([sys.executable, "-m", "acre_train.cli", "quickstart", "--tiny", "--steps", "2", "--output", "qs"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

@@ -60,6 +60,11 @@ def run_real(args: argparse.Namespace) -> int:
     from ..real.study import RUNS, STEPS, RealConfig, RealStudy
 
     def go(args: argparse.Namespace) -> int:
+        unsupported = [flag for flag, on in (("--force", args.force), ("--nice", args.nice)) if on]
+        if unsupported:  # said plainly rather than ignored
+            raise ValueError(f"reproduce real does not take {' or '.join(unsupported)}: each step resumes from its "
+                             "own outputs (delete a step's folder under --root to redo it; run the command under "
+                             "`nice -n N` to lower its priority); these flags apply to `reproduce mini`")
         config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
         for pair in args.adapter:
             model, sep, path = pair.partition("=")
