@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per run (default: torch's); 1 is steadier on a machine shared with other jobs")
     p.add_argument("--no-full", action="store_true", help="skip the full-context baseline")
+    p.add_argument("--close-tail", action="store_true",
+                   help="also ACRE with the raw tail closed into the cache at build time (a question runs only its own tokens)")
     p.add_argument("--json", default=None, help="also write all figures to this file")
     p.add_argument("--_child", nargs=2, metavar=("METHOD", "SIZE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -89,14 +91,14 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(5, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_acre(args, size: int) -> dict:
+def run_acre(args, size: int, close_tail: bool = False) -> dict:
     from acre_train.infer import AcreEngine, CacheSettings, RefillSettings
     from acre_train.measure import PeakMemory
 
     model = _model(args)
     engine = AcreEngine(model, cache_settings=CacheSettings(args.first_chunk, args.stride, args.interval),
                         refill=RefillSettings(working_window=args.working_window, max_refill=args.max_refill,
-                                              max_new_tokens=args.new_tokens, stop_at_eos=False))
+                                              max_new_tokens=args.new_tokens, stop_at_eos=False), close_tail=close_tail)
     engine.answer(engine.build(_tokens(args.first_chunk + 100, 0)), _tokens(8, 1))  # warm-up
     builds, latencies, answers = [], [], []
     with PeakMemory(args.device) as memory:
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         method, size = args._child[0], int(args._child[1])
-        result = run_acre(args, size) if method == "acre" else run_full(args, size)
+        result = run_acre(args, size, close_tail=method == "acre-closed") if method.startswith("acre") else run_full(args, size)
         print(json.dumps(result))
         return 0
 
@@ -203,33 +205,37 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in args.sizes:
         acre = measure(args, "acre", size)
+        closed = measure(args, "acre-closed", size) if args.close_tail else None
         full = {"error": "skipped"} if args.no_full else measure(args, "full", size)
-        rows.append({"size": size, "acre": acre, "full": full})
-        _print_row(size, acre, full)
+        rows.append({"size": size, "acre": acre, "full": full, **({"acre_closed_tail": closed} if closed else {})})
+        _print_row(size, acre, full, closed)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "_child"},
                                                "rows": rows}, indent=2))
     return 0
 
 
-def _print_row(size: int, acre: dict, full: dict) -> None:
+def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) -> None:
     def ratio(key: str) -> str:
         if "error" in acre or "error" in full or not acre.get(key):
             return "  n/a"
         return f"{full[key] / acre[key]:5.2f}x"
 
     print(f"context {size:>6} tokens")
-    for name, r in (("ACRE", acre), ("full", full)):
+    for name, r in (("ACRE", acre), *((("ACRE closed tail", closed),) if closed else ()), ("full", full)):
         if "error" in r:
             print(f"  {name:<5} {r['error']}")
             continue
-        extra = f", {r['num_l1']} L1 entries, k={r['k']}, refilled cache {r['cache_length']}" if name == "ACRE" else ""
+        extra = f", {r['num_l1']} L1 entries, k={r['k']}, refilled cache {r['cache_length']}" if name.startswith("ACRE") else ""
         split = " + ".join(f"{key[:-2]} {r[key]:.3f}" for key in ("score_s", "refill_s", "prefill_s", "decode_s") if key in r)
         print(f"  {name:<5} build {r['build_s']:7.2f}s | per question {r['question_s']:6.3f}s | peak +{r['peak_mib']:7.1f} MiB"
               f" | KV on device {r['device_kv_mib']:6.1f} MiB, in CPU memory {r['cpu_kv_mib']:6.1f} MiB{extra}")
         print(f"        per question: {split} s")
     print(f"  full / ACRE: build {ratio('build_s')}, per question {ratio('question_s')}, peak memory {ratio('peak_mib')}, "
           f"device KV {ratio('device_kv_mib')}, attended cache {ratio('working_cache_mib')}")
+    if closed and "error" not in closed and "error" not in acre:
+        print(f"  closed tail: per question {closed['question_s']:.3f}s vs {acre['question_s']:.3f}s open "
+              f"({acre['question_s'] / closed['question_s']:.2f}x faster), build {closed['build_s']:.2f}s")
 
 
 if __name__ == "__main__":

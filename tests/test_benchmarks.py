@@ -35,3 +35,12 @@ def test_gpu_check_runs_tiny_on_cpu(tmp_path):
     data = json.loads((tmp_path / "g.json").read_text())
     assert {r["status"] for r in data["train"] + data["inference"]} == {"ok"}
     assert {r["arm"] for r in data["train"]} == {"acre", "full"} and len(data["inference"]) == 2
+
+
+def test_inference_cost_runs_small_with_the_closed_tail_beside():
+    out = subprocess.run([sys.executable, "benchmarks/inference_cost.py", "--sizes", "1500", "--repeats", "1",
+                          "--questions", "1", "--close-tail", "--first-chunk", "512", "--stride", "256",
+                          "--max-refill", "64"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ACRE closed tail" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout

@@ -335,3 +335,29 @@ def test_one_decode_loop_greedy_and_sampled():
     assert abs(sum(draws) / len(draws) - 0.75) < 0.03
     assert decode(two, lambda t: two, max_new_tokens=8, temperature=1.0, seed=5) == \
         decode(two, lambda t: two, max_new_tokens=8, temperature=1.0, seed=5)
+
+
+@pytest.mark.parametrize("scorer", ["l1:layers=-1", "l2:layers=0+1,heads=max"])
+def test_a_closed_tail_scores_alike_and_answers_alike_when_nothing_is_refilled(scorer, tmp_path):
+    """close_tail runs the raw tail once at build time. Its KV then attends to the L1 memory only, as the
+    scoring pass always did: the scores are the open tail's for every question, and with no span refilled
+    (k = 0) the answer is the open tail's exactly. A saved cache keeps the closed tail."""
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=12, interval=4)
+    ctx, q = _ids(47, 21), _ids(6, 22)  # chunks 16 + 12 + 12, a raw tail of 7
+    for refill in (RefillSettings(working_window=200, max_refill=8, scorer=scorer, max_new_tokens=5),
+                   RefillSettings(working_window=200, max_refill=0, scorer=scorer, max_new_tokens=5)):
+        open_engine = AcreEngine(model, cache_settings=settings, refill=refill)
+        closed_engine = AcreEngine(model, cache_settings=settings, refill=refill, close_tail=True)
+        cache, closed = open_engine.build(ctx), closed_engine.build(ctx)
+        assert cache.tail_keys is None and closed.tail_keys is not None and len(closed.tail_ids) == 7
+        a, b = open_engine.answer(cache, q), closed_engine.answer(closed, q)
+        if refill.max_refill:
+            torch.testing.assert_close(a.scores, b.scores, atol=1e-6, rtol=1e-5)
+            assert a.selected == b.selected and len(a.selected) == 2
+        else:
+            torch.testing.assert_close(a.first_logits, b.first_logits, atol=ATOL, rtol=0)
+            assert a.token_ids == b.token_ids and a.selected == b.selected == []
+    loaded = closed_engine.load_cache(closed.save(tmp_path / "closed.safetensors"))
+    assert torch.equal(loaded.tail_keys, closed.tail_keys)
+    assert closed_engine.answer(loaded, q).token_ids == closed_engine.answer(closed, q).token_ids

@@ -62,6 +62,16 @@ class BiLayerCache:
     num_context_tokens: int
     context_digest: str = ""  # SHA-256 of the context's token ids: a saved cache names what it holds
     boxes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # "layer:sinks" -> (min, max)
+    # The closed tail (AcreEngine(close_tail=True)): the raw tail's plan run once over the L1 memory at
+    # build time, its pre-RoPE keys and values [L, H_kv, n_tail_plan, D] kept so a question runs only
+    # its own tokens. None: the tail re-runs with every question, over the refilled cache.
+    tail_keys: torch.Tensor | None = None
+    tail_values: torch.Tensor | None = None
+
+    def tail_plan(self):
+        """The raw tail interleaved as the start of the open chunk (what every question continues)."""
+        n = max(len(self.tail_ids), 1)
+        return interleave(self.tail_ids, first_chunk=n, stride=n, intervals=self.settings.interval, carry_in=self.carry)
 
     @property
     def num_l1(self) -> int:
@@ -126,6 +136,8 @@ class BiLayerCache:
         }
         for name, (low, high) in self.boxes.items():
             tensors[f"box.{name}.min"], tensors[f"box.{name}.max"] = low, high
+        if self.tail_keys is not None:
+            tensors["tail_keys"], tensors["tail_values"] = self.tail_keys, self.tail_values
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
                 "carry": self.carry, "num_context_tokens": self.num_context_tokens,
@@ -183,7 +195,8 @@ class BiLayerCache:
             l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
             span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
             num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
-            boxes=boxes,
+            boxes=boxes, tail_keys=t["tail_keys"].to(device) if "tail_keys" in t else None,
+            tail_values=t["tail_values"].to(device) if "tail_values" in t else None,
         )
 
 

@@ -92,13 +92,17 @@ class AcreEngine:
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, cache_settings: CacheSettings | None = None,
                  refill: RefillSettings | None = None, prompt: PromptFormat | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, close_tail: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.cache_settings = cache_settings or CacheSettings()
         self.refill = refill or RefillSettings()
         self.prompt = prompt or PromptFormat(tokenizer)
         self.backend = backend
+        # close_tail: run the context's raw tail once at build time, over the L1 memory, and keep its KV;
+        # a question then runs only its own tokens (to score and to prefill). What changes: the tail
+        # attends to the L1 memory, not to the refilled spans (it cannot know the question).
+        self.close_tail = close_tail
         self.device = next(model.parameters()).device
         self._fingerprint: str | None = None
 
@@ -116,6 +120,8 @@ class AcreEngine:
         ids = self.prompt.context_ids(context) if isinstance(context, str) else list(context)
         cache = build_cache(self.model, ids, self.cache_settings, working_window=self.refill.working_window,
                             progress=progress, kernel_backend=self.backend)
+        if self.close_tail and cache.tail_ids:
+            self._close_tail(cache)
         scorer = self.refill.scorer
         if scorer.kind == "bounds":  # the boxes are part of the cache: made once, saved with it
             for layer in scorer.resolved_layers(self.model.config.num_hidden_layers):
@@ -175,6 +181,11 @@ class AcreEngine:
         interval = self.cache_settings.interval
         capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
         kv = _KV(refilled.keys, refilled.values, capacity)
+        if cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
+            rope = Rope.of(self.model)
+            kv.extend({layer: (rope.rotate(cache.tail_keys[layer], torch.arange(kv.length, kv.length + cache.tail_keys.shape[2])),
+                               cache.tail_values[layer]) for layer in range(cache.tail_keys.shape[0])})
+            plan = self._question_plan(cache, q_ids)
         first_logits = self._prefill(kv, plan)
         timings["prefill_s"] = time.perf_counter() - tic
 
@@ -211,6 +222,14 @@ class AcreEngine:
         tokens' rotated queries are taken, and the forward stops after the last wanted layer.
         """
         wanted = sorted(set(layers))
+        m = cache.num_l1
+        tail_len = 0
+        if cache.tail_keys is not None:  # run only the question, after the closed tail's KV
+            tail_len = cache.tail_keys.shape[2]
+            question = _slice_plan(plan, tail_len)
+            tail_rot = Rope.of(self.model).rotate(cache.tail_keys, torch.arange(m, m + tail_len))
+            prefix_kv = lambda layer: (torch.cat([cache.l1_keys_rot[layer], tail_rot[layer]], 1)[None],  # noqa: E731
+                                       torch.cat([cache.l1_values[layer], cache.tail_values[layer]], 1)[None])
         rows_np = np.nonzero(plan.raw_index >= num_tail)[0]
         rows = torch.as_tensor(rows_np, device=self.device)
         queries: dict[int, torch.Tensor] = {}
@@ -221,10 +240,20 @@ class AcreEngine:
                 if layer == wanted[-1]:
                     raise _StopForward
 
-        m = cache.num_l1
+        run_rows = torch.as_tensor(rows_np - tail_len, device=self.device)
+
+        def capture_run(layer: int, query: torch.Tensor, _key: torch.Tensor, _value: torch.Tensor) -> None:
+            if layer in wanted:
+                queries[layer] = query[0].index_select(1, run_rows)
+                if layer == wanted[-1]:
+                    raise _StopForward
+
         try:
-            self._forward(plan, offset=m, prefix=lambda layer: (cache.l1_keys_rot[layer][None], cache.l1_values[layer][None]),
-                          capture=capture)
+            if cache.tail_keys is not None:
+                self._forward(question, offset=m + tail_len, prefix=prefix_kv, capture=capture_run)
+            else:
+                self._forward(plan, offset=m, prefix=lambda layer: (cache.l1_keys_rot[layer][None],
+                                                                    cache.l1_values[layer][None]), capture=capture)
         except _StopForward:
             pass
         return QuestionQueries(by_layer=queries,
@@ -232,6 +261,25 @@ class AcreEngine:
                                text_positions=torch.as_tensor(plan.raw_index[rows_np] + cache.num_l2, dtype=torch.long))
 
     # --------------------------------------------------------------------------------- internals
+
+    def _close_tail(self, cache: BiLayerCache) -> None:
+        """Run the raw tail's plan over the L1 memory (as every question's scoring pass would) and keep its
+        pre-RoPE keys and values in the cache."""
+        plan = cache.tail_plan()
+        keys, values = {}, {}
+
+        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+            keys[layer], values[layer] = key[0], value[0]
+
+        self._forward(plan, offset=cache.num_l1, prefix=lambda layer: (cache.l1_keys_rot[layer][None],
+                                                                       cache.l1_values[layer][None]), capture=capture)
+        layers = range(self.model.config.num_hidden_layers)
+        cache.tail_keys = torch.stack([keys[x] for x in layers])
+        cache.tail_values = torch.stack([values[x] for x in layers])
+
+    def _question_plan(self, cache: BiLayerCache, q_ids: Sequence[int]):
+        """The question's part of the open chunk, positions from 0 (after the closed tail)."""
+        return _slice_plan(self.open_chunk(cache, q_ids)[0], cache.tail_keys.shape[2])
 
     def _forward(self, plan, *, offset: int, prefix, capture, want_hidden: bool = False) -> torch.Tensor | None:
         """Run ``plan`` (one open chunk) at positions ``offset + i`` over a KV ``prefix`` of ``offset`` keys."""
@@ -293,3 +341,13 @@ class AcreEngine:
                 f"refilled cache ({cache_length}) + open chunk and question ({query_length}) + "
                 f"{max_new} new tokens need {needed} positions, the model has {limit}; lower W / max_refill, "
                 "max_new_tokens, or the stride")
+
+
+def _slice_plan(plan, start: int):
+    """Rows ``start:`` of a one-chunk plan, positions renumbered from 0 (the rows before become a KV prefix)."""
+    from dataclasses import replace
+
+    cut = {name: getattr(plan, name)[start:] for name in
+           ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels", "raw_index")}
+    cut["positions"] = cut["positions"] - start
+    return replace(plan, **cut)

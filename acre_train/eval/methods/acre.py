@@ -9,6 +9,9 @@ sees the L1 cache and the raw tail only.
 Settings left at ``0`` come from the model's export (``config.acre.inference``), else the paper's
 inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``W0 = 4096, S = 2048``.
 
+``close_tail=1`` runs the context's raw tail once at build time (it then attends to the L1 memory,
+not to the refilled spans) so that a question runs only its own tokens.
+
 The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``;
 infer/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
 without ``scorer`` the other options change the stored one.
@@ -50,6 +53,7 @@ class Acre(EvalMethod):
     sinks: int = -1
     keep_sinks: int = -1
     neighbors: int = -1
+    close_tail: int = 0  # 1: the raw tail runs once at build time (AcreEngine(close_tail=True))
 
     def check(self) -> None:
         for key in ("first_chunk", "stride", "interval", "working_window"):
@@ -101,7 +105,7 @@ class Acre(EvalMethod):
         cache_settings, refill = inference_settings(model.config, self.overrides())
         refill = refill.replace(scorer=self.scorer_settings(refill.scorer),
                                 neighbors=bool(self.neighbors) if self.neighbors >= 0 else refill.neighbors)
-        engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
+        engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=bool(self.close_tail))
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
 
@@ -111,7 +115,9 @@ class Acre(EvalMethod):
         # Exactly the harness's stop set, as for every other row (the engine would add its own EOS ids).
         ans = engine.answer(cache, list(example.suffix_ids), max_new_tokens=generation.max_new_tokens,
                             stop_token_ids=tuple(sorted(generation.stop_ids)), stop_at_eos=False)
-        open_chunk = ans.open_chunk  # raw tail + question + their L1 tokens
+        open_chunk = ans.open_chunk  # raw tail + question + their L1 tokens (the question alone: closed tail)
+        if cache.tail_keys is not None:
+            open_chunk += int(cache.tail_keys.shape[2])
         t = ans.timings
         cost = CostRecord(
             tokens_prefilled=len(example) + cache.num_l1,
