@@ -32,24 +32,30 @@ def _row(ctx, question, answer, evidence, first_chunk=16, stride=16, interval=4)
     return {**plan.as_dict(), "evidence": list(evidence), "question": [len(ctx), len(ctx) + len(question)]}
 
 
-@pytest.mark.parametrize("arch,layers", [("qwen2", (-1,)), ("llama", (0, 1))])
-def test_training_score_equals_inference_score(arch, layers):
-    model = _model(arch)
+def _captured(model, layers):
+    """A 42-token context with evidence at raw 10..11, its training forward's captured queries/keys, and the
+    engine's cache and open-chunk plan for the same context and question (what inference scores)."""
+    from acre_train.modeling import acre_forward
+
     ctx, question, answer = _ids(42, 1), _ids(5, 2), _ids(3, 3)
     row = _row(ctx, question, answer, evidence=[10, 12])
     masks = refill_masks(row)
     batch = {**pad_batch([row]), **{k: torch.from_numpy(v)[None] for k, v in masks.items()}}
     capture = QueryKeyCapture(layers, model.config.num_hidden_layers)
     with torch.no_grad():
-        LossModule(model, refill={"layers": list(layers), "temperature": 1.0})  # builds without error
-        from acre_train.modeling import acre_forward
-
         acre_forward(model, **{k: batch[k] for k in PLAN_COLUMNS}, capture=capture)
-    got = sample_scores(model, capture, 0, batch["refill_query"][0], batch["refill_entry"][0], batch["memory_positions"][0])
-
     engine = AcreEngine(model, cache_settings=CacheSettings(first_chunk=16, stride=16, interval=4))
     cache = engine.build(ctx)
     plan = interleave(cache.tail_ids + question, first_chunk=100, stride=100, intervals=4, carry_in=cache.carry)
+    return masks, batch, capture, engine, cache, plan
+
+
+@pytest.mark.parametrize("arch,layers", [("qwen2", (-1,)), ("llama", (0, 1))])
+def test_training_score_equals_inference_score(arch, layers):
+    model = _model(arch)
+    LossModule(model, refill={"layers": list(layers), "temperature": 1.0})  # builds without error
+    masks, batch, capture, engine, cache, plan = _captured(model, layers)
+    got = sample_scores(model, capture, 0, batch["refill_query"][0], batch["refill_entry"][0], batch["memory_positions"][0])
     want = engine.scores(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
     assert cache.num_l1 == int(masks["refill_entry"].sum()) == 8
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -164,25 +170,15 @@ def test_learned_training_score_equals_inference_score(arch, spec):
     """The learned scorer ranks the same in the training loss as ``rank_spans`` does at inference."""
     from acre_train.infer.learned_scorer import attach_query_map
     from acre_train.infer.scorers import ScorerSettings
-    from acre_train.modeling import acre_forward
     from acre_train.train.refill_loss import learned_scores
 
     model = _model(arch)
     scorer = ScorerSettings.parse(spec + ",learned=1")
     layers = scorer.resolved_layers(model.config.num_hidden_layers)
     qmap = _random_map(model, layers)
-    ctx, question, answer = _ids(42, 1), _ids(5, 2), _ids(3, 3)
-    row = _row(ctx, question, answer, evidence=[10, 12])
-    masks = refill_masks(row)
-    batch = {**pad_batch([row]), **{k: torch.from_numpy(v)[None] for k, v in masks.items()}}
-    capture = QueryKeyCapture(layers, model.config.num_hidden_layers)
+    _, batch, capture, engine, cache, plan = _captured(model, layers)
     with torch.no_grad():
-        acre_forward(model, **{k: batch[k] for k in PLAN_COLUMNS}, capture=capture)
         got = learned_scores(model, capture, 0, batch, scorer, qmap)
-
-    engine = AcreEngine(model, cache_settings=CacheSettings(first_chunk=16, stride=16, interval=4))
-    cache = engine.build(ctx)
-    plan = interleave(cache.tail_ids + question, first_chunk=100, stride=100, intervals=4, carry_in=cache.carry)
     attach_query_map(model, qmap)
     want = engine.scores(cache, plan, num_tail=len(cache.tail_ids), scorer=scorer)
     plain = engine.scores(cache, plan, num_tail=len(cache.tail_ids), scorer=scorer.__class__(
