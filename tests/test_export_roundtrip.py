@@ -137,6 +137,10 @@ def test_generate_and_chat_commands_answer_from_an_export(exports, tmp_path, cap
     assert [r["id"] for r in out] == ["q1", "q2"] and [r["cache_reused"] for r in out] == [False, True]
     for key in ("answer", "build_s", "score_s", "refill_s", "prefill_s", "decode_s", "peak_memory_mib", "k"):
         assert key in out[0]
+    assert cli_main(["generate", str(full), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / "closed.jsonl"), "--max-new-tokens", "3", "--close-tail"]) == 0
+    closed = [json.loads(line) for line in (tmp_path / "closed.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in closed] == ["q1", "q2"] and all(r["answer"] is not None for r in closed)
     (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"id": "q3", "question": "?"}) + "\n")
     assert cli_main(["generate", str(full), "--input", str(tmp_path / "bad.jsonl"), "--output",
                      str(tmp_path / "bad-out.jsonl")]) == 2

@@ -33,6 +33,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scoring-layers", type=int, nargs="+", default=None, help="replace the scorer's layers")
     g.add_argument("--neighbors", action=argparse.BooleanOptionalAction, default=None,
                    help="each refilled span brings its better-scored neighbour (same budget k)")
+    g.add_argument("--close-tail", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the context's unfinished last chunk once when the cache is built (a question then runs "
+                        "only its own tokens; the tail attends to the L1 memory, not the refilled spans). "
+                        "Default: the export's acre.inference.close_tail, else off")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=None)
@@ -58,7 +62,9 @@ def make_engine(args: argparse.Namespace):
                                                 "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers", "scorer",
                                                 "neighbors")}
     cache_settings, refill = inference_settings(data, overrides)
-    return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
+    stored = bool(((data.get("acre") or {}).get("inference") or {}).get("close_tail", False))
+    close_tail = stored if args.close_tail is None else bool(args.close_tail)
+    return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=close_tail)
 
 
 # --------------------------------------------------------------------------------------------- chat
