@@ -98,7 +98,7 @@ def _export(run_dir: Path, export_dir: Path) -> None:
 def _answer(export_dir: Path, paragraphs: int) -> None:
     from .data.builtin import builtin_qa
     from .infer.load import load_export
-    from .modeling.geometry import inference_settings
+    from .infer.settings import inference_settings
     from .infer import AcreEngine
 
     model, tokenizer, data = load_export(export_dir)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from acre_train.modeling.geometry import WindowGeometry, export_geometry, inference_settings
+from acre_train.infer.settings import inference_settings
+from acre_train.modeling.geometry import WindowGeometry, export_geometry
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -352,7 +352,7 @@ def test_a_learned_scorer_trains_apart_from_decoding(workdir):
     from acre_train.infer import AcreEngine
     from acre_train.infer.learned_scorer import SCORER_WEIGHTS, QueryMap, query_map_of
     from acre_train.infer.load import load_export
-    from acre_train.modeling.geometry import inference_settings
+    from acre_train.infer.settings import inference_settings
 
     run(recipe(workdir, "ls-s1", "train.max_steps=2"))
     base = workdir / "ls-s1" / "base_model"

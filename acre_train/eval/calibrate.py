@@ -76,7 +76,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
 
     from ..infer import AcreEngine
     from ..infer.scorers import forced_spans, rank_spans, select_spans
-    from ..modeling.geometry import inference_settings
+    from ..infer.settings import inference_settings
     from .harness import group_by_context
     from .methods.acre import evidence_token_ranges, evidence_visibility
     from .prompt import prepare_example
@@ -196,7 +196,7 @@ def _ints(text: str, what: str) -> list[int]:
 def _run(args: argparse.Namespace) -> int:
     from ..infer.learned_scorer import query_map_of
     from ..infer.load import check_export_dir, load_export
-    from ..modeling.geometry import inference_settings
+    from ..infer.settings import inference_settings
     from .tasks import resolve_tasks
 
     export = Path(args.export)

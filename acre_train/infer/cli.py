@@ -49,7 +49,7 @@ def make_engine(args: argparse.Namespace):
     """Load the export and build an ``AcreEngine`` with its settings and the command-line overrides."""
     import torch
 
-    from ..modeling.geometry import inference_settings
+    from ..infer.settings import inference_settings
     from .load import load_for_inference
     from .engine import AcreEngine
 

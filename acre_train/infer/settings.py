@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Mapping
 
-from ..modeling.geometry import WindowGeometry
+from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
 from .scorers import ScorerSettings
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
@@ -63,3 +63,35 @@ class RefillSettings:
 
     def replace(self, **changes: Any) -> "RefillSettings":
         return RefillSettings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None
+                       ) -> tuple[CacheSettings, RefillSettings]:
+    """The engine's settings: the export's stored geometry, then ``overrides`` (None = keep).
+
+    ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
+    carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``), ``scorer`` (a spec
+    string or mapping), ``scoring_layers`` (replaces the scorer's layers) and ``neighbors``. The export's
+    ``inference.scorer`` / ``inference.neighbors`` (written by ``acre-train calibrate``) come first.
+
+    >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
+    >>> cache.first_chunk, cache.interval, refill.max_refill
+    (64, 8, 0)
+    """
+    from dataclasses import replace as replace_
+
+    from .scorers import ScorerSettings
+
+    overrides = overrides or {}
+    geometry = export_geometry(config).with_overrides(overrides)
+    cache = CacheSettings(first_chunk=geometry.first_chunk, stride=geometry.stride, interval=geometry.interval)
+    extra = {k: v for k, v in overrides.items()
+             if k in ("max_new_tokens", "temperature", "top_p", "seed") and v is not None}
+    stored = inference_section(config)
+    scorer = ScorerSettings.parse(overrides.get("scorer") or stored.get("scorer") or ScorerSettings())
+    if overrides.get("scoring_layers") is not None:
+        scorer = replace_(scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
+    neighbors = overrides.get("neighbors")
+    neighbors = bool(stored.get("neighbors", False) if neighbors is None else neighbors)
+    return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill,
+                                 scorer=scorer, neighbors=neighbors, **extra)

@@ -5,7 +5,7 @@ every ``l`` raw tokens, ``l`` drawn per chunk from ``intervals``; inference chun
 way with one interval and lets a question refill at most ``max_refill`` (eta) raw tokens inside a
 working window of ``working_window`` (W) tokens. A data manifest records the training part, a
 recipe's ``data.prepare`` sets it, an export stores the inference part under ``config.acre.inference``,
-and :func:`inference_settings` turns that (plus command-line overrides) into what the engine runs.
+and ``infer.settings.inference_settings`` turns that (plus command-line overrides) into what the engine runs.
 
 >>> g = WindowGeometry(first_chunk=1024, stride=512, intervals=(8, 16, 32))
 >>> g.interval, g.inference_dict()["working_window"]
@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Mapping
-
-if TYPE_CHECKING:
-    from ..infer.settings import CacheSettings, RefillSettings
+from typing import Any, Mapping
 
 # The official recipe: W0 = 4096, S = 2048, l from {8, ..., 128} in training and 16 at inference,
 # W = 32K, eta = 4096.
@@ -103,43 +100,10 @@ class WindowGeometry:
 
 def export_geometry(config: Mapping[str, Any] | Any) -> WindowGeometry:
     """The geometry an export stores (``config.acre.inference``); the paper's for what it lacks."""
-    stored = _inference_section(config)
+    stored = inference_section(config)
     return WindowGeometry.from_mapping({k: v for k, v in stored.items() if k in INFERENCE_KEYS})
 
 
-def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None
-                       ) -> tuple["CacheSettings", "RefillSettings"]:
-    """The engine's settings: the export's stored geometry, then ``overrides`` (None = keep).
-
-    ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
-    carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``), ``scorer`` (a spec
-    string or mapping), ``scoring_layers`` (replaces the scorer's layers) and ``neighbors``. The export's
-    ``inference.scorer`` / ``inference.neighbors`` (written by ``acre-train calibrate``) come first.
-
-    >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
-    >>> cache.first_chunk, cache.interval, refill.max_refill
-    (64, 8, 0)
-    """
-    from dataclasses import replace as replace_
-
-    from ..infer.scorers import ScorerSettings
-    from ..infer.settings import CacheSettings, RefillSettings
-
-    overrides = overrides or {}
-    geometry = export_geometry(config).with_overrides(overrides)
-    cache = CacheSettings(first_chunk=geometry.first_chunk, stride=geometry.stride, interval=geometry.interval)
-    extra = {k: v for k, v in overrides.items()
-             if k in ("max_new_tokens", "temperature", "top_p", "seed") and v is not None}
-    stored = _inference_section(config)
-    scorer = ScorerSettings.parse(overrides.get("scorer") or stored.get("scorer") or ScorerSettings())
-    if overrides.get("scoring_layers") is not None:
-        scorer = replace_(scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
-    neighbors = overrides.get("neighbors")
-    neighbors = bool(stored.get("neighbors", False) if neighbors is None else neighbors)
-    return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill,
-                                 scorer=scorer, neighbors=neighbors, **extra)
-
-
-def _inference_section(config: Mapping[str, Any] | Any) -> dict[str, Any]:
+def inference_section(config: Mapping[str, Any] | Any) -> dict[str, Any]:
     acre = config.get("acre") if isinstance(config, Mapping) else getattr(config, "acre", None)
     return dict(((acre or {}).get("inference") or {}) if isinstance(acre, Mapping) else {})

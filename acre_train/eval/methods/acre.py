@@ -98,7 +98,7 @@ class Acre(EvalMethod):
     def prepare(self, model, tokenizer, example: PreparedExample) -> Any:
         from ...infer import AcreEngine
         from ...modeling import is_acre_model
-        from ...modeling.geometry import inference_settings
+        from ...infer.settings import inference_settings
 
         if not is_acre_model(model):
             raise ValueError(f"method {self.name!r} needs an ACRE model (an 'acre-train export' folder)")
