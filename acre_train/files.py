@@ -17,6 +17,7 @@ import importlib
 import pickle
 from contextlib import contextmanager
 from pathlib import Path
+import os
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI imports this module at start-up
@@ -191,3 +192,9 @@ class FolderLock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def cache_root() -> Path:
+    """acre-train's cache directory: ``$ACRE_TRAIN_CACHE`` or ``~/.cache/acre-train`` (bases, tokenizers, prep)."""
+    env = os.environ.get("ACRE_TRAIN_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "acre-train"

@@ -80,7 +80,7 @@ def bases_root(root: str | os.PathLike | None = None) -> Path:
     """Where fetched bases go: ``root``, else ``$ACRE_TRAIN_CACHE/bases`` or ``~/.cache/acre-train/bases``."""
     if root is not None:
         return Path(root).expanduser()
-    from ..data.tiny_tokenizer import cache_root
+    from ..files import cache_root
 
     return cache_root() / "bases"
 

@@ -27,7 +27,7 @@ from .rows import features, plan_row
 from .settings import Stage1Settings, Stage2Settings
 from .spans import Segment, iter_spans, span_length
 from .tokenizer import open_tokenizer
-from .tiny_tokenizer import cache_root
+from ..files import cache_root
 
 
 def input_records(settings: Any, problems: InputProblems) -> Iterator[Record]:

@@ -15,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..files import cache_root  # noqa: F401 (also re-exported: older imports)
+
 if TYPE_CHECKING:  # transformers is heavy; import it only when a tokenizer is built
     from transformers import PreTrainedTokenizerFast
 
@@ -32,12 +34,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-def cache_root() -> Path:
-    """acre-train's cache directory: ``$ACRE_TRAIN_CACHE`` or ``~/.cache/acre-train``."""
-    env = os.environ.get("ACRE_TRAIN_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "acre-train"
 
 
 def _training_text() -> list[str]:
