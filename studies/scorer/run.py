@@ -13,7 +13,9 @@ Steps (each skipped when its output exists, so a killed run resumes at the step 
    seed 1000 (the evaluation uses 777-779);
 3. evaluate the held-out cell (SQuAD odd-index articles, needles at seeds 777-779; 3 × 40 = 120
    questions) with full attention, truncation to ACRE's budget, today's ``l1`` scorer and the
-   calibrated one; the cell folder (predictions, summary, table) is copied into docs/real-base/scorer/.
+   calibrated one, one seed at a time (a finished seed is kept: ``--seeds 777`` runs one and merges
+   what is done; a later run adds the others); the cell folder (predictions, summary, table, and
+   ``cell.json`` naming its seeds) is copied into docs/real-base/scorer/.
 """
 
 from __future__ import annotations
@@ -86,32 +88,48 @@ def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squ
 
 def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: Path,
              seeds: tuple[int, ...] = EVAL_SEEDS) -> None:
+    """Evaluate the cell one seed (40 questions) at a time: each seed's part is kept when it finishes, so a
+    session that ends mid-cell resumes at the next seed; the parts are merged into ``out`` at the end."""
     import torch
 
     from acre_train.data.tokenizer import auto_tokenizer
     from acre_train.base.fetch import resolve_source
-    from acre_train.eval.harness import EvalConfig, evaluate as run_eval
+    from acre_train.eval.harness import EvalConfig, EvalReport, evaluate as run_eval, summarize, write_outputs
     from acre_train.eval.methods import parse_methods
     from acre_train.eval.tasks import build_task
     from acre_train.infer.load import load_export
 
-    if (out / "summary.json").is_file():
-        return
+    done = out / "cell.json"
+    if (out / "summary.json").is_file() and done.is_file() and json.loads(done.read_text()).get("seeds") == list(seeds):
+        return  # (a cell merged from fewer seeds is merged again with the new ones; finished seeds are kept)
     budget, new_tokens, rows, _ = CELLS[(length, task)]
     methods = parse_methods(rows.format(budget=budget))
     model, _, _ = load_export(cell_export, dtype=torch.float32)
     tok = auto_tokenizer(resolve_source(BASE))
-    examples = [ex for seed in seeds
-                for ex in build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)]
-    log(f"eval {length}/{task}: {len(examples)} questions, rows {[m.label() for m in methods]}")
+    parts = out.with_name(out.name + ".parts")
+    for seed in seeds:
+        part = parts / str(seed)
+        if (part / "summary.json").is_file():
+            log(f"eval {length}/{task} seed {seed}: done earlier ({part})")
+            continue
+        examples = build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)
+        log(f"eval {length}/{task} seed {seed}: {len(examples)} questions, rows {[m.label() for m in methods]}")
+        tmp = part.with_name(part.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tic = time.time()
+        run_eval(model, tok, examples, methods, config=EvalConfig(new_tokens, progress=False), out_dir=tmp)
+        (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "seed": seed}) + "\n")
+        tmp.replace(part)
+    all_rows = [json.loads(line) for seed in seeds for line in (parts / str(seed) / "predictions.jsonl").open()]
+    seconds = sum(json.loads((parts / str(seed) / "cell.json").read_text())["seconds"] for seed in seeds)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    tic = time.time()
-    run_eval(model, tok, examples, methods, config=EvalConfig(new_tokens, progress=False), out_dir=tmp)
-    (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "length": length, "task": task,
+    write_outputs(EvalReport(all_rows, summarize(all_rows, [m.label() for m in methods])), tmp)
+    (tmp / "cell.json").write_text(json.dumps({"seconds": round(seconds, 1), "length": length, "task": task,
                                                "seeds": list(seeds), "adapter": ADAPTER.name}, indent=2) + "\n")
-    shutil.copy(cell_export / "calibration.json", tmp / "calibration.json")
-    shutil.copy(cell_export / "calibration.md", tmp / "calibration.md")
+    for name in ("calibration.json", "calibration.md"):
+        if (cell_export / name).is_file():
+            shutil.copy(cell_export / name, tmp / name)
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
 
@@ -124,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, EVAL_SEEDS)),
                         help="evaluation seeds, 40 questions each (default: 777,778,779)")
     parser.add_argument("--docs", default=str(REPO / "docs/real-base/scorer"), help="where finished cells are copied")
+
     args = parser.parse_args(argv)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
