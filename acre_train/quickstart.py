@@ -164,8 +164,15 @@ def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Pat
     recipe = load_recipe(RECIPES / f"{card['recipe']}.yaml", [])
     weights = files("acre_train.resources").joinpath(adapter)
     model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
+    scorer = None
+    if card.get("learned_scorer"):  # the card's learned scorer (infer/learned_scorer.py) travels with the export
+        from .infer.learned_scorer import QueryMap
+        from .infer.scorers import ScorerSettings
+
+        path = files("acre_train.resources").joinpath(f"adapters/{card['learned_scorer']['file']}")
+        scorer = (QueryMap.load(str(path)), ScorerSettings.parse(card["inference"]["scorer"]).describe())
     return export_model(model, out_dir, tokenizer=auto_tokenizer(base), adapter_only=True, base_model=base,
-                        inference=card["inference"],
+                        inference=card["inference"], scorer=scorer,
                         source={"adapter": f"acre_train/resources/{adapter}", "stage": card.get("stage")})
 
 
