@@ -337,15 +337,12 @@ def build_cache(
     if pin:
         torch.cuda.synchronize(device)  # the non-blocking L2 copies have landed
 
-    finished = plan.raw_index[: _finished_len(plan, done)]
-    l1_slots = np.nonzero(finished < 0)[0]
-    # Raw tokens before each L1 token of the finished chunks = the end of its span on the L2 axis.
-    span_ends = l1_slots - np.arange(len(l1_slots))
+    bounds, carry = span_layout(plan, done, raw_done)
     return BiLayerCache(
         settings=settings, fingerprint=fingerprint_,
         l1_keys=l1_keys, l1_keys_rot=l1_rot, l1_values=l1_val, l2_keys=l2_keys, l2_values=l2_values,
-        span_bounds=torch.as_tensor(np.concatenate([[0], span_ends]), dtype=torch.int64),
-        tail_ids=ids[raw_done:].tolist(), carry=raw_done - int(span_ends[-1] if len(span_ends) else 0),
+        span_bounds=torch.as_tensor(bounds, dtype=torch.int64),
+        tail_ids=ids[raw_done:].tolist(), carry=carry,
         num_context_tokens=len(ids), context_digest=context_digest(ids),
     )
 
@@ -362,6 +359,17 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def span_layout(plan, done: int, raw_done: int) -> tuple[np.ndarray, int]:
+    """``(span bounds [m + 1], carry)`` of a context plan's ``done`` finished chunks (``raw_done`` raw
+    tokens): L1 entry ``j`` owns L2 tokens ``bounds[j]:bounds[j + 1]``; ``carry`` raw tokens after the
+    last entry count towards the next L1 group (training's refilled layout uses the same rule)."""
+    finished = plan.raw_index[: _finished_len(plan, done)]
+    l1_slots = np.nonzero(finished < 0)[0]
+    # Raw tokens before each L1 token of the finished chunks = the end of its span on the L2 axis.
+    span_ends = l1_slots - np.arange(len(l1_slots))
+    return np.concatenate([[0], span_ends]).astype(np.int64), raw_done - int(span_ends[-1] if len(span_ends) else 0)
 
 
 def _finished_len(plan, done: int) -> int:

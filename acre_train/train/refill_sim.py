@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..infer.cache import BiLayerCache, finished_chunks
+from ..infer.cache import BiLayerCache, finished_chunks, span_layout
 from ..infer.refill import refill_layout
 from ..infer.scorers import ScorerSettings, forced_spans, rank_spans, select_spans, spans_with
 from ..infer.settings import CacheSettings, RefillSettings
@@ -100,11 +100,7 @@ def sim_sample(row: dict[str, Any], settings: SimSettings, force: bool | Sequenc
     done, raw_done = finished_chunks(len(context), cache)
     plan = interleave(context, first_chunk=cache.first_chunk, stride=cache.stride, intervals=cache.interval)
     closed = plan.chunk_ids < done
-    finished = plan.raw_index[closed]
-    l1_slots = np.flatnonzero(finished < 0)
-    span_ends = l1_slots - np.arange(len(l1_slots))  # raw tokens before each L1 entry (as build_cache)
-    bounds = np.concatenate([[0], span_ends]).astype(np.int64)
-    carry = raw_done - int(span_ends[-1]) if len(span_ends) else raw_done
+    bounds, carry = span_layout(plan, done, raw_done)  # exactly as build_cache lays out the spans
     tail = np.arange(raw_done, questions[0][0])
     evidence = np.asarray(row.get("evidence", []), dtype=np.int64).reshape(-1, 2)
     owner = np.asarray(row.get("evidence_question", [0] * len(evidence) if n_q == 1 else []), dtype=np.int64)
