@@ -131,7 +131,7 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     return LoadedCheckpoint(
         model=model.eval(), checkpoint=checkpoint, meta=meta, recipe=recipe, base_pointer=pointer,
         weights_from=origin, tokenizer_spec=prepare.get("tokenizer") or _data_tokenizer(recipe),
-        inference=inference_defaults(trained_geometry(meta, recipe)),
+        inference={**inference_defaults(trained_geometry(meta, recipe)), **trained_refill(recipe)},
         scorer_state=scorer_state, scorer_spec=_learned_spec(recipe) if scorer_state else None,
     )
 
@@ -142,6 +142,21 @@ def _learned_spec(recipe: dict[str, Any]) -> str:
 
     spec = ((recipe.get("train") or {}).get("refill_loss") or {}).get("scorer") or "l2:layers=-1,heads=max"
     return ScorerSettings.parse(spec + ",learned=1" if "learned" not in spec else spec).describe()
+
+
+def trained_refill(recipe: dict[str, Any]) -> dict[str, Any]:
+    """What a run trained in the refilled layout (``train.refill_sim``) answered with: its ``l``, W,
+    eta, scorer and neighbour rule, so the export answers in the layout the L1 weights learned (an export
+    flag or ``calibrate`` still overrides them). Empty for other runs."""
+    sim = (recipe.get("train") or {}).get("refill_sim") or {}
+    if not sim.get("enabled"):
+        return {}
+    from ..infer.scorers import ScorerSettings
+
+    out = {k: int(sim[k]) for k in ("interval", "working_window", "max_refill") if sim.get(k) is not None}
+    out["scorer"] = ScorerSettings.parse(sim.get("scorer") or "l1:layers=-1").describe()
+    out["neighbors"] = bool(sim.get("neighbors"))
+    return out
 
 
 def trained_geometry(meta: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,10 @@ def _run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         print("warning: no tokenizer found; the export holds none (pass --tokenizer)")
     overrides = {key: getattr(args, key) for key in ("first_chunk", "stride", "interval", "working_window", "max_refill")}
-    inference = WindowGeometry.from_mapping(loaded.inference).with_overrides(overrides).inference_dict()
+    geometry = WindowGeometry.from_mapping(loaded.inference, ignore=("scorer", "neighbors"))
+    inference = geometry.with_overrides(overrides).inference_dict()
+    # The refill a refill-simulated run trained with (scorer, neighbours) rides along with its geometry.
+    inference.update({k: loaded.inference[k] for k in ("scorer", "neighbors") if k in loaded.inference})
     source = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
               "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
     scorer = None
