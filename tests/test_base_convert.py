@@ -116,6 +116,7 @@ def test_converted_folder_matches_the_source_model(gguf_file, tmp_path, tok, one
     prov = json.loads((out / "acre_base.json").read_text())
     assert prov["source_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert prov["gguf"]["architecture"] == arch and prov["dtype"] == "float32"
+    assert prov["gguf"]["parameters"] == sum(p.numel() for p in source.parameters())
     assert list(out.glob("*.safetensors")) and not list(out.glob("*.bin"))
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     loaded_tok = auto_tokenizer(str(out))
@@ -156,6 +157,31 @@ def test_convert_refuses_unsupported_and_broken_files_leaving_nothing(tmp_path):
     with pytest.raises(BaseError, match="not a GGUF file"):
         convert_gguf(notgguf, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.gguf", "x.gguf"]  # no folder, no partial
+
+
+def test_convert_checks_header_and_tensor_table_before_building_anything(tmp_path, tok):
+    """A GGUF with the architecture key but no sizes (it made transformers build a default-size model
+    until the OOM killer came), or whose header promises more blocks or wider layers than its tensors
+    hold, is refused with what is wrong, before any model is built; nothing is written."""
+    bare = tmp_path / "bare.gguf"
+    writer = gguf.GGUFWriter(str(bare), "qwen2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(BaseError, match="no valid qwen2.block_count"):
+        convert_gguf(bare, tmp_path / "out", log=lambda _: None)
+
+    model = tiny_model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id, seed=3)
+    model.config.num_hidden_layers = 40  # the header says 40 blocks; the tensors are of 2
+    deep = write_gguf(model, tok, tmp_path / "deep.gguf", "qwen2")
+    with pytest.raises(BaseError, match=r"blk\.2\.attn_norm\.weight is missing.*more\)"):
+        convert_gguf(deep, tmp_path / "out", log=lambda _: None)
+    model.config.num_hidden_layers, model.config.intermediate_size = 2, 4096  # wider ffn in the header only
+    wide = write_gguf(model, tok, tmp_path / "wide.gguf", "qwen2")
+    with pytest.raises(BaseError, match=r"blk\.0\.ffn_gate\.weight is \(64, 128\), expected \(64, 4096\)"):
+        convert_gguf(wide, tmp_path / "out", log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.gguf", "deep.gguf", "wide.gguf"]
 
 
 def test_convert_refuses_to_overwrite_a_folder_that_is_not_a_base(gguf_file, tmp_path):
@@ -225,6 +251,26 @@ def test_fetch_assembles_verifies_converts_and_then_does_nothing(known_base, tmp
     assert len(downloads) == 2 and (out / "acre_base.json").is_file()
     assert main(["base", "list"]) == 0
     assert spec.name in capsys.readouterr().out
+
+
+def test_fetch_hashes_the_assembled_file_on_disk_not_a_stamp(known_base, tmp_path):
+    """A GGUF replaced on disk after a fetch (an earlier version's stamp beside it still names the right
+    hash) is not trusted: it is hashed, found wrong, assembled anew, and the conversion is of the right file."""
+    import shutil
+
+    spec, _, downloads = known_base
+    out = fetch(spec.name, log=lambda _: None)
+    shutil.rmtree(out)
+    gguf_path = tmp_path / "cache" / "bases" / ".downloads" / spec.name / f"{spec.name}.gguf"
+    gguf_path.write_bytes(b"GGUF" + b"\0" * (spec.size - 4))  # right size, wrong content
+    gguf_path.with_suffix(".gguf.sha256").write_text(spec.sha256 + "\n")
+    messages: list[str] = []
+    fetch(spec.name, log=messages.append)
+    assert any("not the expected file" in m for m in messages)
+    assert len(downloads) == 4  # downloaded and assembled again
+    assert hashlib.sha256(gguf_path.read_bytes()).hexdigest() == spec.sha256
+    assert json.loads((out / "acre_base.json").read_text())["source_sha256"] == spec.sha256
+    assert not gguf_path.with_suffix(".gguf.sha256").exists()
 
 
 def test_fetch_refuses_a_wrong_hash_and_leaves_nothing_that_looks_complete(known_base, tmp_path, monkeypatch):

