@@ -87,7 +87,7 @@ def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squ
 
 
 def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: Path,
-             seeds: tuple[int, ...] = EVAL_SEEDS) -> None:
+             seeds: tuple[int, ...] = EVAL_SEEDS, rows: str | None = None, adapter: str = ADAPTER.name) -> None:
     """Evaluate the cell one seed (40 questions) at a time: each seed's part is kept when it finishes, so a
     session that ends mid-cell resumes at the next seed; the parts are merged into ``out`` at the end."""
     import torch
@@ -102,8 +102,8 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
     done = out / "cell.json"
     if (out / "summary.json").is_file() and done.is_file() and json.loads(done.read_text()).get("seeds") == list(seeds):
         return  # (a cell merged from fewer seeds is merged again with the new ones; finished seeds are kept)
-    budget, new_tokens, rows, _ = CELLS[(length, task)]
-    methods = parse_methods(rows.format(budget=budget))
+    budget, new_tokens, cell_rows, _ = CELLS[(length, task)]
+    methods = parse_methods((rows or cell_rows).format(budget=budget))
     model, _, _ = load_export(cell_export, dtype=torch.float32)
     tok = auto_tokenizer(resolve_source(BASE))
     parts = out.with_name(out.name + ".parts")
@@ -126,7 +126,7 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
     shutil.rmtree(tmp, ignore_errors=True)
     write_outputs(EvalReport(all_rows, summarize(all_rows, [m.label() for m in methods])), tmp)
     (tmp / "cell.json").write_text(json.dumps({"seconds": round(seconds, 1), "length": length, "task": task,
-                                               "seeds": list(seeds), "adapter": ADAPTER.name}, indent=2) + "\n")
+                                               "seeds": list(seeds), "adapter": adapter}, indent=2) + "\n")
     for name in ("calibration.json", "calibration.md"):
         if (cell_export / name).is_file():
             shutil.copy(cell_export / name, tmp / name)

@@ -1,0 +1,149 @@
+"""Training study on the real 0.5B base: stage 2 in the refilled layout against plain stage 2.
+
+Not part of the installed package. Run from a checkout, after ``studies/scorer/run.py`` made its root
+(the plain row's exports, calibrations and held-out cells)::
+
+    python studies/training/sim.py --squad ../shared/data/squad-v2-dev.json --root checkpoints/scorer-study
+
+The plain row is the scorer study's ``stage2-long`` adapter: stage 2 for 120 steps (batch 2) from the
+kept stage-1 (120 steps) adapter, on the study's 96 stage-2 conversations. The refill-simulated row
+(``recipes/qwen2.5-0.5b/stage2-sim.yaml``) starts from the same stage-1 adapter, with the same data,
+order, seed, lr schedule and steps; only ``train.refill_sim`` differs. Both rows then answer each
+held-out cell with the same inference setting (the plain row's calibrated scorer for that cell), so
+a difference is the L1 weights' alone; questions are paired.
+
+Steps (each skipped when its output exists; training resumes from its latest checkpoint, saved every
+4 steps, so a session that ends mid-run continues in the next):
+
+1. the study's training streams (``acre-train reproduce real --steps streams``) and the stage-1 export;
+2. ``acre-train train recipes/qwen2.5-0.5b/stage2-sim.yaml`` (120 steps, ~50 s each here);
+3. export (adapter-only, the study's geometry; it stores the refill it trained with);
+4. evaluate the held-out cells seed by seed and write the paired comparison to docs/real-base/training/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "scorer"))
+
+import run as scorer_study  # noqa: E402
+from run import BASE, EVAL_SEEDS, REPO, log  # noqa: E402
+
+RECIPE = REPO / "recipes/qwen2.5-0.5b/stage2-sim.yaml"
+STAGE1 = REPO / "docs/real-base/adapters/stage1-lora-step120.safetensors"
+RUN_NAME = "qwen2.5-0.5b-stage2-sim-lora-120"
+STEPS = 120
+GEOMETRY = ["--first-chunk", "1024", "--stride", "512", "--interval", "32", "--max-refill", "192"]
+CELLS = ("2048/squad", "4096/niah_multikey")
+
+
+def inputs(root: Path, squad: Path) -> tuple[Path, Path]:
+    """The study's stage-2 conversations and the stage-1 adapter's export (the run starts from it)."""
+    from acre_train.real.study import RealConfig, RealStudy
+
+    study = RealStudy(root, squad, RealConfig(adapters={"stage1-long": str(STAGE1)}), log=log)
+    study.step_streams()
+    start = study.export_dir("stage1-long")
+    if not (start / "config.json").is_file():
+        study.step_export()
+    return study.streams / "stage2.jsonl", start
+
+
+def train(root: Path, data: Path, start: Path, steps: int) -> Path:
+    runs = root / "runs"
+    cmd = ["acre-train", "train", str(RECIPE), f"output_root={runs}", f"run_name={RUN_NAME}",
+           f"model.init_from={start}", f"data.path={root / 'data' / 'stage2'}", f"data.prepare.inputs=[{data}]",
+           f"train.max_steps={steps}", "checkpoint.every_steps=4", "checkpoint.resume_from_checkpoint=latest",
+           "logging.progress_bar=false"]
+    log(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+    return runs / RUN_NAME
+
+
+def export(root: Path, run_dir: Path) -> Path:
+    out = root / "exports" / "stage2-sim-long"
+    if not (out / "config.json").is_file():
+        subprocess.run(["acre-train", "export", str(run_dir), str(out), "--adapter-only", "--overwrite", *GEOMETRY],
+                       check=True)
+    return out
+
+
+def plain_setting(root: Path, length: int, task: str) -> str:
+    """The plain row's calibrated setting for the cell, as an ``acre:`` row of the harness."""
+    chosen = json.loads((root / "exports" / f"stage2-long-{length}-{task}" / "calibration.json").read_text())["rows"][0]
+    s = chosen["scorer"]
+    layers = "+".join(str(x) for x in s["layers"])
+    return (f"acre:scorer={s['kind']}:layers={layers}:heads={s['heads']}:sinks={s['sinks']}:"
+            f"keep_sinks={int(s['keep_sinks'])}:neighbors={int(chosen['neighbors'])}")
+
+
+def paired(plain: Path, sim: Path, sim_row: str) -> dict:
+    """Per-question difference (sim - plain) of the calibrated ACRE rows, and each row's split."""
+    from acre_train.eval.metrics import bootstrap_ci, refill_split
+
+    def rows(folder: Path, method: str) -> dict[tuple[str, int], dict]:
+        out, seen = {}, {}
+        for line in (folder / "predictions.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r["method"] == method:
+                n = seen[r["id"]] = seen.get(r["id"], -1) + 1  # ids repeat per context: pair by occurrence
+                out[(r["id"], n)] = r
+        return out
+
+    a, b = rows(plain, "acre"), rows(sim, sim_row)
+    keys = sorted(set(a) & set(b))
+    diff = bootstrap_ci([100.0 * (b[k]["score"] - a[k]["score"]) for k in keys])
+    full = rows(plain, "full") if any('"method": "full"' in x for x in (plain / "predictions.jsonl").open()) else {}
+    summary = {"n": len(keys), "sim_minus_plain": diff}
+    for name, got in (("plain", a), ("sim", b)):
+        mine = [got[k] for k in keys]
+        summary[name] = {"score": bootstrap_ci([100.0 * r["score"] for r in mine]), **refill_split(mine)}
+        if full:  # full attention on the questions this row refilled / missed
+            hit = [k for k in keys if got[k].get("refill_coverage") is not None and got[k]["refill_coverage"] >= 1.0]
+            summary[name]["full_when_refilled"] = bootstrap_ci([100.0 * full[k]["score"] for k in hit]) if hit else None
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article)")
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--cells", default=",".join(CELLS), help="LENGTH/TASK,... to evaluate")
+    parser.add_argument("--seeds", default=",".join(map(str, EVAL_SEEDS)))
+    parser.add_argument("--docs", default=str(REPO / "docs/real-base/training"))
+    parser.add_argument("--train-only", action="store_true")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    data, start = inputs(root, Path(args.squad))
+    run_dir = train(root, data, start, args.steps)
+    if args.train_only:
+        return 0
+    exported = export(root, run_dir)
+    seeds = tuple(int(x) for x in args.seeds.split(","))
+    for spec in args.cells.split(","):
+        length, task = int(spec.split("/")[0]), spec.split("/")[1]
+        row = plain_setting(root, length, task)
+        out = root / "eval" / "sim" / str(length) / task
+        scorer_study.evaluate(exported, length, task, root / "squad-heldout.json", out, seeds, rows=row,
+                              adapter=RUN_NAME)
+        plain = root / "eval" / str(length) / task
+        docs = Path(args.docs) / str(length) / task
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(docs, ignore_errors=True)
+        shutil.copytree(out, docs)
+        comparison = paired(plain, out, row)
+        (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+        log(f"cell {spec}: {json.dumps(comparison)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
