@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .files import DiskFullError  # an OSError a user fixes by freeing space
+from .errors import user_errors
 
 # verb -> (module, one-line help). Order is the order a newcomer meets them.
 VERBS: dict[str, tuple[str, str]] = {
@@ -65,37 +65,6 @@ acre-train reproduce mini --smoke""",
 }
 
 
-def user_errors(run):
-    """Report the errors a user can fix (bad file, wrong setting, missing extra) in one line, exit 2.
-
-    Every verb's ``run`` goes through this: tracebacks are for bugs, not for typos.
-    """
-    import functools
-
-    @functools.wraps(run)
-    def wrapper(args, *rest, **kw) -> int:
-        try:
-            return run(args, *rest, **kw)
-        except (ValueError, FileNotFoundError, FileExistsError, MissingExtra, DiskFullError) as exc:
-            print(f"acre-train {getattr(args, 'verb', '')}: error: {exc}", file=sys.stderr)
-            return 2
-
-    return wrapper
-
-
-class MissingExtra(ImportError):
-    """An optional dependency is not installed; the message names the ``pip install`` that fixes it."""
-
-
-def require(module: str, extra: str) -> object:
-    """Import ``module`` or raise :class:`MissingExtra` naming ``pip install 'acre-train[extra]'``."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        package = module.split(".")[0]
-        raise MissingExtra(f"this needs the '{package}' package: pip install 'acre-train[{extra}]'") from exc
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="acre-train",
@@ -129,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verb", None):
         parser.print_help()
         return 0
-    return int(importlib.import_module(args._module).run(args) or 0)
+    # One error policy for every verb (errors.py): user errors in one line, exit 2.
+    return int(user_errors(importlib.import_module(args._module).run)(args) or 0)
 
 
 def build_parser_for(argv: list[str]) -> argparse.ArgumentParser:

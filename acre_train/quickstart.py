@@ -38,22 +38,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "refilled answer (no download, about a minute)")
     parser.add_argument("--real", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     g = parser.add_argument_group("--tiny")
-    g.add_argument("--steps", type=int, default=20, help="optimizer steps per training stage (default 20)")
-    g.add_argument("--context-paragraphs", type=int, default=40,
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps per training stage (default 20)")
+    g.add_argument("--context-paragraphs", type=int, default=None,
                    help="built-in SQuAD paragraphs joined into the long context (default 40)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import user_errors
+    check_arguments(args)
+    return _tiny(args) if args.tiny else _real(args)
 
-    if not args.tiny:
-        return user_errors(_real)(args)
-    return user_errors(_tiny)(args)
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every argument problem before any work starts (a bad value never surfaces minutes in)."""
+    if not str(args.output).strip():
+        raise ValueError("--output is empty; name the folder for the runs, data and export")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise ValueError(f"--output {args.output} is a file, not a folder")
+    if args.questions < 1:
+        raise ValueError(f"--questions must be >= 1, got {args.questions}")
+    for flag, value in (("--steps", args.steps), ("--context-paragraphs", args.context_paragraphs)):
+        if value is not None and not args.tiny:
+            raise ValueError(f"{flag} applies to the --tiny path only (the real path uses the shipped adapter)")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.context_paragraphs < 1:
-        raise ValueError("--steps and --context-paragraphs must be >= 1")
+    args.steps, args.context_paragraphs = args.steps or 20, args.context_paragraphs or 40
     out = Path(args.output)
     timings: dict[str, float] = {}
     stage1 = _timed(timings, "stage 1", lambda: _train("tiny_stage1.yaml", out, "quickstart-stage1", args.steps))
@@ -196,11 +207,7 @@ def _real(args: argparse.Namespace) -> int:
     from .eval.tasks import build_task
     from .infer.load import load_export
 
-    if args.questions < 1:
-        raise ValueError("--questions must be >= 1")
     out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out} is a file, not a folder")
     timings: dict[str, float] = {}
     _timed(timings, f"base {REAL_BASE}", lambda: fetch(REAL_BASE))
     export_dir = _timed(timings, "export the shipped adapter", lambda: shipped_adapter_export(out / "export-real"))

@@ -42,12 +42,6 @@ def packaged_files() -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import user_errors
-
-    return user_errors(_run)(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     from .train.recipe import PACKAGED_RECIPES
 
     if args.action == "ls":

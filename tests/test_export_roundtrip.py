@@ -205,6 +205,26 @@ def test_folders_that_are_not_acre_exports_are_clear_errors(exports, tmp_path, c
     assert "neither a checkpoint directory nor a run directory" in capsys.readouterr().err
 
 
+def test_a_damaged_full_export_is_a_one_line_error_in_chat_generate_and_eval(exports, tmp_path, capsys):
+    import shutil
+
+    _, full, _, _ = exports
+    broken = tmp_path / "broken"
+    shutil.copytree(full, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])  # a copy cut short
+    (tmp_path / "ctx.txt").write_text("some long text " * 20)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"question": "q?", "context": "some text"}) + "\n")
+    for argv in (["chat", str(broken), "--context", str(tmp_path / "ctx.txt")],
+                 ["generate", str(broken), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")],
+                 ["eval", "--model", str(broken), "--tasks", "niah_single", "--methods", "acre", "--num-examples", "1",
+                  "--context-tokens", "64", "--out", str(tmp_path / "eval")]):
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"acre-train {argv[0]}: error: {broken}: its weights cannot be read" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_export_refuses_bad_requests(exports, tmp_path):
     model, full, _, _ = exports
     with pytest.raises(ValueError, match="needs the base model"):

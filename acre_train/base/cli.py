@@ -28,12 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import user_errors
-
-    return user_errors(_run)(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     from . import convert_gguf, fetch
 
     if args.action == "convert":

@@ -38,7 +38,7 @@ class BaseError(ValueError):
 
 def require_gguf() -> Any:
     """The ``gguf`` module, or an error that names the ``pip install`` that fixes it."""
-    from ..cli import require
+    from ..errors import require
 
     return require("gguf", "base")
 
@@ -100,6 +100,14 @@ def read_gguf_facts(path: str | os.PathLike) -> dict[str, Any]:
     if arch in SUPPORTED_GGUF_ARCHITECTURES:  # (others are refused by name in check_supported)
         shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
         facts["parameters"] = check_tensor_table(arch, fields, shapes, path)
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = shapes["token_embd.weight"][1]
+        if tokens is None:  # transformers would size the model from a default vocabulary and fail loading
+            raise BaseError(f"{path}: the GGUF carries no tokenizer (no tokenizer.ggml.tokens); acre-train needs "
+                            "the model's tokenizer inside the file: convert from a GGUF made with one")
+        if len(tokens.data) != vocab:
+            raise BaseError(f"{path}: the GGUF's tokenizer has {len(tokens.data)} tokens but token_embd.weight has "
+                            f"{vocab} rows")
     return facts
 
 

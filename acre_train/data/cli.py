@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from .errors import DataError
@@ -106,22 +105,19 @@ def settings_from_args(args: argparse.Namespace) -> Stage1Settings | Stage2Setti
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one preparation stage; errors in the input are reported without a traceback."""
+    """Run one preparation stage (errors in the input are one-line errors: errors.py)."""
     from . import prepare_stage1, prepare_stage2, preview_stage1, preview_stage2
     from .inspector import print_samples
 
-    try:
-        settings = settings_from_args(args)
-        if args.debug > 0:
-            preview = preview_stage1 if args.stage == "stage1" else preview_stage2
-            rows, tok = preview(settings, args.debug)
-            print_samples(rows, tok, color=args.color, max_tokens=args.debug_tokens)
-            print(f"(--debug: {len(rows)} samples shown, nothing written)")
-            return 0
-        if not args.output:
-            raise DataError("--output is required (or use --debug N to only inspect samples)")
-        (prepare_stage1 if args.stage == "stage1" else prepare_stage2)(settings)
+    settings = settings_from_args(args)
+    if args.debug > 0:
+        preview = preview_stage1 if args.stage == "stage1" else preview_stage2
+        rows, tok = preview(settings, args.debug)
+        print_samples(rows, tok, color=args.color, max_tokens=args.debug_tokens)
+        print(f"(--debug: {len(rows)} samples shown, nothing written)")
         return 0
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if not args.output:
+        raise DataError("--output is required (or use --debug N to only inspect samples)")
+    (prepare_stage1 if args.stage == "stage1" else prepare_stage2)(settings)
+    return 0
+

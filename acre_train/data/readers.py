@@ -90,7 +90,7 @@ class DamagedStream(Exception):
 def _zstd_blocks(path: Path, block: int = 1 << 20) -> Iterator[bytes]:
     """Decompressed bytes of a (multi-frame) .zst file; a frame cut short raises :class:`DamagedStream`
     (zstandard's stream reader returns EOF quietly there, which made truncated shards vanish)."""
-    from ..cli import require
+    from ..errors import require
 
     zstandard = require("zstandard", "data")
     dctx = zstandard.ZstdDecompressor()
@@ -188,13 +188,15 @@ def read_jsonl_strict(path: str | os.PathLike) -> Iterator[Record]:
 
 def _read_json_lines_or_array(path: Path, problems: InputProblems) -> Iterator[Record]:
     """``.json``: a JSON array of objects, or JSON lines under a ``.json`` name."""
-    with open(path, encoding="utf-8") as handle:
+    with open(path, "rb") as handle:
         head = handle.read(1024).lstrip()
-    if not head.startswith("["):
-        yield from _read_jsonl(path, problems)
+    if not head.startswith(b"["):
+        yield from _read_jsonl(path, problems)  # (its lines are decoded one by one: a bad one is reported)
         return
     try:
         items = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); is it a JSON file?") from exc
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from exc
     for index, item in enumerate(items, start=1):

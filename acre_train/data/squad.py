@@ -195,7 +195,19 @@ TRAIN_PARITY = 0  # article index % 2 == TRAIN_PARITY -> training; the rest -> e
 
 
 def squad_articles(path: str | Path) -> list[dict[str, Any]]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+    """The articles of a SQuAD JSON file (``data[].paragraphs[].{context, qas}``); anything else is a
+    :class:`DataError` naming the file and what is wrong."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); expected SQuAD JSON") from exc
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from exc
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not all(isinstance(a, dict) and isinstance(a.get("paragraphs"), list) for a in data):
+        raise DataError(f"{path}: not SQuAD JSON (expected a top-level 'data' list of articles, each with a "
+                        "'paragraphs' list)")
+    return data
 
 
 def split_articles(path: str | Path) -> tuple[list[int], list[int]]:

@@ -180,12 +180,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import user_errors
-
-    return user_errors(_run)(args)
-
-
 def _ints(text: str, what: str) -> list[int]:
     try:
         return [int(x) for x in text.replace("+", ",").split(",") if x.strip()]
@@ -193,7 +187,7 @@ def _ints(text: str, what: str) -> list[int]:
         raise ValueError(f"--{what} takes comma-separated integers, got {text!r}") from None
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..infer.learned_scorer import query_map_of
     from ..infer.load import check_export_dir, load_export
     from ..infer.settings import inference_settings

@@ -37,15 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import user_errors
-
-    return user_errors(_run)(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..cli import require
+    from ..errors import require
 
     for module in ("rouge_score.rouge_scorer", "matplotlib"):  # before any model loads
         require(module, "eval")

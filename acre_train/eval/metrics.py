@@ -95,7 +95,7 @@ def rouge_l(prediction: str, golds: Sequence[str] | str) -> float:
     """rouge-score ``rougeL`` F-measure (no stemming), max over golds; 0 for an empty prediction."""
     global _ROUGE
     if _ROUGE is None:
-        from ..cli import require
+        from ..errors import require
 
         rouge_scorer = require("rouge_score.rouge_scorer", "eval")
 

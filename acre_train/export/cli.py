@@ -33,12 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import user_errors
-
-    return user_errors(_run)(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_checkpoint_model, load_tokenizer

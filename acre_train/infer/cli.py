@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from ..cli import user_errors
 from ..measure import PeakMemory
 
 
@@ -77,7 +76,6 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-cache", default=None, help="reuse a cache saved with --save-cache (same export/settings)")
 
 
-@user_errors
 def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
     text = Path(args.context).read_text(encoding="utf-8")  # a missing or empty context fails before the model loads
     if not text.strip():
@@ -136,7 +134,6 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield record.line, row
 
 
-@user_errors
 def run_generate(args: argparse.Namespace) -> int:
     rows = list(read_rows(args.input))  # a bad row fails before the model loads or any output is written
     engine = make_engine(args)

@@ -86,9 +86,9 @@ class QueryMap(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> "QueryMap":
-        from safetensors.torch import load_file
+        from ..files import read_safetensors
 
-        return cls.from_state(load_file(str(path)))
+        return cls.from_state(read_safetensors(path))
 
 
 def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..files import DamagedFileError
 from .learned_scorer import SCORER_WEIGHTS, QueryMap, attach_query_map
 
 
@@ -38,7 +39,13 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
 
     data = check_export_dir(path)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AcreForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
+    try:
+        model = AcreForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
+    except Exception as exc:
+        if not _damaged_weights(exc):
+            raise
+        raise DamagedFileError(f"{path}: its weights cannot be read ({str(exc).splitlines()[0]}); the export is "
+                               "damaged or was copied in part: export it again") from exc
     learned = Path(path) / SCORER_WEIGHTS
     if learned.is_file():
         attach_query_map(model, QueryMap.load(learned))
@@ -57,6 +64,15 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
         finally:
             hf_logging.set_verbosity(level)
     return model, tokenizer, data
+
+
+def _damaged_weights(exc: BaseException) -> bool:
+    """Is ``exc`` safetensors (or torch) failing to read a weights file, rather than a bug?"""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors
+        SafetensorError = ()  # noqa: N806
+    return isinstance(exc, SafetensorError) or "error while deserializing" in str(exc).lower()
 
 
 def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -56,29 +56,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_real(args: argparse.Namespace) -> int:
-    from ..cli import user_errors
     from ..real.study import RUNS, STEPS, RealConfig, RealStudy
 
-    def go(args: argparse.Namespace) -> int:
-        unsupported = [flag for flag, on in (("--force", args.force), ("--nice", args.nice)) if on]
-        if unsupported:  # said plainly rather than ignored
-            raise ValueError(f"reproduce real does not take {' or '.join(unsupported)}: each step resumes from its "
-                             "own outputs (delete a step's folder under --root to redo it; run the command under "
-                             "`nice -n N` to lower its priority); these flags apply to `reproduce mini`")
-        config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
-        for pair in args.adapter:
-            model, sep, path = pair.partition("=")
-            if not sep or model not in RUNS:
-                raise ValueError(f"--adapter {pair!r}: expected MODEL=FILE with MODEL one of {', '.join(RUNS)}")
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"--adapter {pair!r}: no such file {path}")
-            config.adapters[model] = path
-        if args.cells:
-            config.cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
-        root = args.root or ("checkpoints/real-smoke" if args.smoke else "checkpoints/real")
-        steps = tuple(s.strip() for s in args.steps.split(",") if s.strip()) if args.steps else STEPS
-        timings = RealStudy(root, args.squad, config, log=lambda m: print(m, flush=True)).run(steps)
-        print("step times (s): " + ", ".join(f"{k}={v}" for k, v in timings.items()))
-        return 0
+    unsupported = [flag for flag, on in (("--force", args.force), ("--nice", args.nice)) if on]
+    if unsupported:  # said plainly rather than ignored
+        raise ValueError(f"reproduce real does not take {' or '.join(unsupported)}: each step resumes from its "
+                         "own outputs (delete a step's folder under --root to redo it; run the command under "
+                         "`nice -n N` to lower its priority); these flags apply to `reproduce mini`")
+    config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
+    for pair in args.adapter:
+        model, sep, path = pair.partition("=")
+        if not sep or model not in RUNS:
+            raise ValueError(f"--adapter {pair!r}: expected MODEL=FILE with MODEL one of {', '.join(RUNS)}")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--adapter {pair!r}: no such file {path}")
+        config.adapters[model] = path
+    if args.cells:
+        config.cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
+    root = args.root or ("checkpoints/real-smoke" if args.smoke else "checkpoints/real")
+    steps = tuple(s.strip() for s in args.steps.split(",") if s.strip()) if args.steps else STEPS
+    timings = RealStudy(root, args.squad, config, log=lambda m: print(m, flush=True)).run(steps)
+    print("step times (s): " + ", ".join(f"{k}={v}" for k, v in timings.items()))
+    return 0
 
-    return user_errors(go)(args)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .recipe import RecipeError, load_recipe, validate_recipe
+from ..errors import user_errors
+from .recipe import load_recipe, validate_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,21 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, then train (every rank runs this under torchrun / the deepspeed launcher)."""
-    from .distributed import PeerLost
     from .trainer import train
 
-    try:
-        overrides = list(args.overrides) + (["checkpoint.overwrite=true"] if getattr(args, "overwrite", False) else [])
-        recipe = validate_recipe(load_recipe(args.recipe, overrides), source=args.recipe)
-        result = train(recipe)
-    except (RecipeError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130  # the trainer said what was saved
-    except PeerLost as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
+    overrides = list(args.overrides) + (["checkpoint.overwrite=true"] if getattr(args, "overwrite", False) else [])
+    recipe = validate_recipe(load_recipe(args.recipe, overrides), source=args.recipe)
+    result = train(recipe)  # Ctrl-C: the trainer says what was saved; the CLI's policy (errors.py) exits 130
     print(f"done: step {result.steps}, last checkpoint {result.last_checkpoint}")
     return 0
 
@@ -45,4 +36,4 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher appends --local_rank=N; parse_overrides skips it (LOCAL_RANK is in the env).
     args, unknown = parser.parse_known_args(argv)
     args.overrides = list(args.overrides) + unknown
-    return run(args)
+    return user_errors(run, verb="train")(args)  # the launchers' entry: the same policy as acre-train's

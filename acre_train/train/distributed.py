@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import PeerLost  # noqa: F401 (raised by the trainer; the CLI reports it)
+
 
 @dataclass
 class DistInfo:
@@ -41,10 +43,6 @@ class DistInfo:
         if self.distributed:
             dist.all_reduce(tensor)
         return tensor.tolist()
-
-
-class PeerLost(RuntimeError):
-    """Another rank died, was killed, or became unreachable: this rank stops instead of hanging."""
 
 
 def peer_failure(exc: BaseException) -> bool:

@@ -89,9 +89,8 @@ def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
 
 
 def _load_from_export(model: nn.Module, recipe: Recipe, folder: Path) -> Path:
-    from safetensors.torch import load_file
-
     from ..base.fetch import resolve_source
+    from ..files import read_safetensors
     from ..infer.load import check_export_dir
     from ..modeling.hf import ADAPTER_WEIGHTS
 
@@ -104,7 +103,7 @@ def _load_from_export(model: nn.Module, recipe: Recipe, folder: Path) -> Path:
     theirs, ours = data.get("base_model_name_or_path"), recipe.model.source
     if Path(resolve_source(str(theirs))).resolve() != Path(resolve_source(ours)).resolve():
         raise ValueError(f"model.init_from {folder} was exported for base {theirs}, this recipe uses {ours}")
-    load_acre_state_dict(model, load_file(str(folder / ADAPTER_WEIGHTS)))
+    load_acre_state_dict(model, read_safetensors(folder / ADAPTER_WEIGHTS))
     return folder
 
 

@@ -94,7 +94,7 @@ class RefillLossSection(_Section):
     answer loss (0: off, plain stage 2); the score is inference's at ``layers`` (default: the last)."""
 
     weight: float = Field(0.0, ge=0)
-    layers: list[int] = Field(default_factory=lambda: [-1])
+    layers: list[int] = Field(default_factory=lambda: [-1], min_length=1)  # (an empty list scores nothing)
     temperature: float = Field(1.0, gt=0)
     # shared: the loss trains the L1 keys decoding attends to. scorer: it trains a learned scorer of its
     # own (infer/learned_scorer.py, rank ``rank``) for the inference scorer ``scorer`` names; the L1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-import sys
 
 from .recipe import RecipeError, check_recipe, load_recipe, resolve_accumulation, world_size_from_env
 
@@ -18,23 +17,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
-        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     world = args.world_size or world_size_from_env()
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    recipe = load_recipe(args.recipe, args.overrides)
     problems = check_recipe(recipe, world)
     if problems:
-        print(f"error: {RecipeError(problems, args.recipe)}", file=sys.stderr)
-        return 2
+        raise RecipeError(problems, args.recipe)
     try:
         params = parameter_line(recipe)
     except ValueError as exc:  # the L1 settings do not fit this model (e.g. a LoRA rank above its width)
-        print(f"error: {RecipeError([str(exc)], args.recipe)}", file=sys.stderr)
-        return 2
+        raise RecipeError([str(exc)], args.recipe) from None
     gas, global_batch, _ = resolve_accumulation(recipe, world)
     print(f"ok: {args.recipe} (run dir {recipe.run_dir}; {world} rank(s) x micro-batch "
           f"{recipe.train.micro_batch_size} x accumulation {gas} = global batch {global_batch})")

@@ -1,0 +1,76 @@
+"""What a user can fix, and how the CLI reports it: one line on stderr and exit code 2.
+
+``acre-train`` applies :func:`user_errors` once, around every verb (``cli.main``); tracebacks are kept
+for bugs. A user error is a ``ValueError`` (bad setting, damaged or malformed file: the project's own
+``RecipeError``, ``DataError``, ``BaseError``... derive from it), an ``OSError`` (missing file, a
+folder where a file was expected, no permission, a full disk), a damaged safetensors file, or a
+missing optional dependency (:class:`MissingExtra`, which names the ``pip install``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from typing import Any, Callable
+
+EXIT_USER_ERROR = 2
+EXIT_PEER_LOST = 3  # a distributed peer died: the run is resumable, but not by this process
+EXIT_INTERRUPTED = 130
+
+
+class PeerLost(RuntimeError):
+    """Another rank died, was killed, or became unreachable: this rank stops instead of hanging."""
+
+
+class MissingExtra(ImportError):
+    """An optional dependency is not installed; the message names the ``pip install`` that fixes it."""
+
+
+def require(module: str, extra: str) -> Any:
+    """Import ``module`` or raise :class:`MissingExtra` naming ``pip install 'acre-train[extra]'``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = module.split(".")[0]
+        raise MissingExtra(f"this needs the '{package}' package: pip install 'acre-train[{extra}]'") from exc
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ValueError, OSError, MissingExtra]
+    try:
+        from safetensors import SafetensorError  # a damaged model.safetensors / adapter file
+
+        types.append(SafetensorError)
+    except ImportError:  # older safetensors: the error is then a ValueError / OSError anyway
+        pass
+    return tuple(types)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    return text
+
+
+def user_errors(run: Callable[..., int], verb: str = "") -> Callable[..., int]:
+    """``run`` with the policy applied: user errors print ``acre-train VERB: error: ...`` and return 2;
+    Ctrl-C returns 130 (what was saved has been said); a lost distributed peer returns 3."""
+
+    @functools.wraps(run)
+    def wrapper(args: Any, *rest: Any, **kw: Any) -> int:
+        name = verb or getattr(args, "verb", "") or ""
+        prefix = f"acre-train {name}: " if name else "acre-train: "
+        try:
+            return run(args, *rest, **kw)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        except PeerLost as exc:
+            print(f"{prefix}error: {exc}", file=sys.stderr)
+            return EXIT_PEER_LOST
+        except _user_error_types() as exc:
+            print(f"{prefix}error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USER_ERROR
+
+    return wrapper
