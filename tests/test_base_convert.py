@@ -32,7 +32,8 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def write_gguf(model, tokenizer, path: Path, arch: str) -> Path:
-    """A GGUF of ``model`` (F32 tensors) with a BPE tokenizer, as llama.cpp's converter lays it out."""
+    """A GGUF of ``model`` (F32 tensors) with a BPE tokenizer (none if ``tokenizer`` is None), as
+    llama.cpp's converter lays it out."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
@@ -46,6 +47,17 @@ def write_gguf(model, tokenizer, path: Path, arch: str) -> Path:
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(c.head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer, arch)
+    _add_tensors(writer, model, arch)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tokenizer(writer, tokenizer, arch: str) -> None:
     vocab = tokenizer.backend_tokenizer.to_str()
     spec = json.loads(vocab)["model"]
     tokens = [t for t, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])]
@@ -59,6 +71,10 @@ def write_gguf(model, tokenizer, path: Path, arch: str) -> Path:
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_chat_template(tokenizer.chat_template)
+
+
+def _add_tensors(writer, model, arch: str) -> None:
+    c = model.config
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -79,11 +95,6 @@ def write_gguf(model, tokenizer, path: Path, arch: str) -> Path:
             elif arch == "llama" and module == "self_attn.k_proj":
                 t = _permute(t, c.num_key_value_heads)
         writer.add_tensor(out, t.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +192,11 @@ def test_convert_checks_header_and_tensor_table_before_building_anything(tmp_pat
     wide = write_gguf(model, tok, tmp_path / "wide.gguf", "qwen2")
     with pytest.raises(BaseError, match=r"blk\.0\.ffn_gate\.weight is \(64, 128\), expected \(64, 4096\)"):
         convert_gguf(wide, tmp_path / "out", log=lambda _: None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.gguf", "deep.gguf", "wide.gguf"]
+    model.config.intermediate_size = 128
+    untokenized = write_gguf(model, None, tmp_path / "notok.gguf", "qwen2")  # transformers failed deep in loading
+    with pytest.raises(BaseError, match="carries no tokenizer"):
+        convert_gguf(untokenized, tmp_path / "out", log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.gguf", "deep.gguf", "notok.gguf", "wide.gguf"]
 
 
 def test_convert_refuses_to_overwrite_a_folder_that_is_not_a_base(gguf_file, tmp_path):
