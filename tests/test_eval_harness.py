@@ -108,3 +108,49 @@ def test_cli_end_to_end(tmp_path, tok):
     assert "| cachefocus:k_finish=2 |" in (out / "results.md").read_text()
     assert (out / "quality_vs_kv.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--model", str(model_dir), "--tasks", str(tasks), "--methods", "nope"]) == 2
+
+
+def test_a_failing_row_keeps_the_finished_answers_and_the_same_command_resumes(tmp_path, tok):
+    """A row that cannot answer one context (here: made to raise there) stops the eval with an error
+    naming the row and context; every (context, row) that finished is kept in --out and a rerun answers
+    only what is missing (a line a kill cut short is dropped and redone); the result equals a fresh run's."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from acre_train.eval.harness import PARTIAL, EvalConfig, evaluate
+    from acre_train.eval.methods.full import Full
+
+    calls: list[tuple[str, str]] = []
+
+    @dataclass
+    class Counting(Full):
+        name: ClassVar[str] = "counting"
+        broken: ClassVar[str | None] = None  # (not a field: the row's label stays the same when fixed)
+
+        def answer(self, model, tokenizer, example, state, generation):
+            calls.append((self.name, example.example.id))
+            if example.example.id == Counting.broken:
+                raise ValueError("this context needs a larger working window")
+            return super().answer(model, tokenizer, example, state, generation)
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    examples = build_task("niah_single", tok, 200, 3, seed=3)
+    config = EvalConfig(max_new_tokens=3, progress=False)
+    fresh = evaluate(model, tok, examples, [Full(), Counting()], config=config)
+
+    out = tmp_path / "out"
+    Counting.broken = examples[2].id
+    with pytest.raises(ValueError, match=r"row 'counting' on context 2 .*larger working window.*finished answers are kept"):
+        evaluate(model, tok, examples, [Full(), Counting()], config=config, out_dir=out)
+    lines = (out / PARTIAL).read_text().splitlines()
+    assert len(lines) == 1 + 5  # the plan, then full/counting on contexts 0 and 1, full on context 2
+    (out / PARTIAL).write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # a kill mid-line
+    Counting.broken, calls[:] = None, []
+    resumed = evaluate(model, tok, examples, [Full(), Counting()], config=config, out_dir=out)
+    assert calls == [("counting", examples[2].id)]  # full on context 2 ran again (its line was torn), counting too
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith(("_s", "_bytes"))} for r in rows]  # noqa: E731
+    assert strip(resumed.rows) == strip(fresh.rows)
+    assert not (out / PARTIAL).exists() and (out / "predictions.jsonl").is_file()

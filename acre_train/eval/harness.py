@@ -18,8 +18,11 @@ per-document caches) and answers each question over it. Rows carry the context's
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -143,11 +146,26 @@ def evaluate(model, tokenizer, examples: Sequence[Example], methods: Sequence[Ev
             for prepared in group:
                 method.check_example(prepared)
     rows: list[dict[str, Any]] = []
+    progress = Progress(Path(out_dir), plan_fingerprint(model, groups, methods, config)) if out_dir is not None else None
+    done = progress.load() if progress is not None else {}
+    if done:
+        print(f"eval: resuming {out_dir}: {sum(map(len, done.values()))} answers kept from an earlier run", file=sys.stderr)
     bar = tqdm(total=len(examples) * len(methods), desc="eval", unit="answer", disable=not config.progress)
     for index, group in enumerate(groups):
         for method in methods:
             bar.set_postfix_str(f"{group[0].example.task} {method.label()}", refresh=False)
-            rows.extend(run_context(model, tokenizer, method, group, generation, config.recall_k, index))
+            got = done.get((index, method.label()))
+            if got is None:
+                try:
+                    got = run_context(model, tokenizer, method, group, generation, config.recall_k, index)
+                except ValueError as exc:  # a row that cannot answer this context: keep what finished
+                    kept = f"; the {len(rows)} finished answers are kept in {progress.path}, and the same command " \
+                           "resumes after the row is fixed" if progress is not None else ""
+                    raise ValueError(f"row {method.label()!r} on context {index} ({group[0].example.id}): {exc}{kept}") \
+                        from exc
+                if progress is not None:
+                    progress.add(got)
+            rows.extend(got)
             bar.update(len(group))
     bar.close()
     order = {ex.id: i for i, ex in enumerate(examples)}
@@ -155,7 +173,63 @@ def evaluate(model, tokenizer, examples: Sequence[Example], methods: Sequence[Ev
     report = EvalReport(rows, summarize(rows, [m.label() for m in methods]))
     if out_dir is not None:
         report.files = write_outputs(report, Path(out_dir))
+        progress.finish()
     return report
+
+
+PARTIAL = "predictions.partial.jsonl"
+
+
+def plan_fingerprint(model, groups: Sequence[Sequence[PreparedExample]], methods: Sequence[EvalMethod],
+                     config: EvalConfig) -> str:
+    """What an eval's answers depend on: every prompt's tokens, the rows, the decoding budget, the model's
+    name, dtype and size. A partial run is resumed only under the same fingerprint."""
+    digest = hashlib.sha256()
+    for group in groups:
+        for prepared in group:
+            digest.update(json.dumps([prepared.example.id, prepared.prompt_ids(), prepared.example.answers]).encode())
+    first = next(model.parameters())
+    digest.update(json.dumps([[m.label() for m in methods], config.max_new_tokens, config.chunk_tokens,
+                              str(getattr(model.config, "_name_or_path", "")), str(first.dtype),
+                              sum(p.numel() for p in model.parameters())]).encode())
+    return digest.hexdigest()
+
+
+class Progress:
+    """The finished answers of one eval, appended per (context, row) as they finish, so that a failing
+    row or a kill loses nothing and the same command resumes (``predictions.partial.jsonl`` beside the
+    outputs; its first line is the plan's fingerprint, a torn last line is dropped)."""
+
+    def __init__(self, out_dir: Path, fingerprint: str):
+        self.path, self.fingerprint = out_dir / PARTIAL, fingerprint
+
+    def load(self) -> dict[tuple[int, str], list[dict[str, Any]]]:
+        """Rows of every (context, row) an earlier run of the same plan finished; starts afresh otherwise."""
+        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []
+        if not lines or lines[0] != json.dumps({"plan": self.fingerprint}):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"plan": self.fingerprint}) + "\n", encoding="utf-8")
+            return {}
+        done: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for n, line in enumerate(lines[1:], start=1):
+            try:
+                batch = json.loads(line)
+            except json.JSONDecodeError:  # the line a kill cut short: drop it, that (context, row) runs again
+                self.path.write_text("\n".join(lines[:n]) + "\n", encoding="utf-8")
+                break
+            done[(batch["context_index"], batch["method"])] = batch["rows"]
+        return done
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        line = json.dumps({"context_index": rows[0]["context_index"], "method": rows[0]["method"], "rows": rows},
+                          ensure_ascii=False)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _mean(vals: list[float]) -> float | None:

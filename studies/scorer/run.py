@@ -114,8 +114,7 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
             continue
         examples = build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)
         log(f"eval {length}/{task} seed {seed}: {len(examples)} questions, rows {[m.label() for m in methods]}")
-        tmp = part.with_name(part.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = part.with_name(part.name + ".partial")  # (kept: the harness resumes a seed cut short)
         tic = time.time()
         run_eval(model, tok, examples, methods, config=EvalConfig(new_tokens, progress=False), out_dir=tmp)
         (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "seed": seed}) + "\n")
