@@ -65,6 +65,31 @@ def test_resume_continues_exactly(workdir):
     assert meta["step"] == 4 and meta["samples_seen"] == 4 * 4 and meta["base_model"]["source"] == "tiny:qwen2"
 
 
+def test_a_kill_between_a_checkpoint_and_its_log_line_leaves_no_gap_in_the_metrics(workdir, monkeypatch):
+    """The step a kill stopped after its checkpoint but before its metrics line is filled in on resume
+    from the checkpoint's own record, so metrics.jsonl has every step once, as an uninterrupted run."""
+    from acre_train.train.callbacks import StepLogger
+
+    _, full = run(recipe(workdir, "gap-full", "checkpoint.keep_last=null"))
+    write = StepLogger.log_step
+
+    def killed_at_2(self, step, metrics):
+        if step == 2:
+            raise KeyboardInterrupt  # after checkpoint-2 was saved, before its line
+        write(self, step, metrics)
+
+    monkeypatch.setattr(StepLogger, "log_step", killed_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(recipe(workdir, "gap"))
+    steps = lambda name: [json.loads(x)["step"] for x in (workdir / name / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps("gap") == [1] and (workdir / "gap" / "checkpoint-2").is_dir()
+    monkeypatch.setattr(StepLogger, "log_step", write)
+    run(recipe(workdir, "gap", "checkpoint.resume_from_checkpoint=latest"))
+    assert steps("gap") == steps("gap-full") == [1, 2, 3, 4]
+    line = lambda name: json.loads((workdir / name / "metrics.jsonl").read_text().splitlines()[1])  # noqa: E731
+    assert line("gap")["loss"] == line("gap-full")["loss"] and line("gap")["tokens"] == line("gap-full")["tokens"]
+
+
 def test_prepared_data_made_from_other_inputs_is_refused(workdir):
     run(recipe(workdir, "fresh"))  # prepares data1 (or reuses it: same settings and inputs)
     with pytest.raises(ValueError, match="(made with|prepared from) other settings.*data.prepare.overwrite=true"):

@@ -9,12 +9,13 @@ from typing import Any
 from .checkpoint import write_text_atomic
 
 
-def _open_from(path: Path, start_step: int):
+def _open_from(path: Path, start_step: int, resumed_line: dict[str, Any] | None = None):
     """``path`` opened for appending after dropping its lines of steps past ``start_step``.
 
     A run killed between logging a step and checkpointing it logs that step again when it resumes;
     without the trim the log would hold both lines (and a fresh start would keep a dead run's lines).
-    A line cut short by the kill is dropped too.
+    A line cut short by the kill is dropped too. A run killed between checkpointing a step and logging
+    it would leave a gap: ``resumed_line`` (the checkpoint's record of that step) fills it in.
     """
     def kept_line(line: str) -> bool:
         try:
@@ -22,11 +23,13 @@ def _open_from(path: Path, start_step: int):
         except json.JSONDecodeError:
             return False
 
-    if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [line for line in lines if line.endswith("\n") and kept_line(line)]
-        if len(kept) != len(lines):
-            write_text_atomic(path, "".join(kept))
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+    kept = [line for line in lines if line.endswith("\n") and kept_line(line)]
+    if resumed_line and not any(
+            json.loads(line).get("step") == start_step for line in kept):
+        kept.append(json.dumps({"step": start_step, **resumed_line}) + "\n")
+    if kept != lines:
+        write_text_atomic(path, "".join(kept))
     return open(path, "a", encoding="utf-8")
 
 
@@ -34,7 +37,7 @@ class StepLogger:
     """Rank 0 writes tensorboard + ``metrics.jsonl`` + progress bar; every rank may log its samples."""
 
     def __init__(self, run_dir: Path, *, rank: int, total_steps: int, start_step: int, tensorboard: bool,
-                 progress_bar: bool, log_samples: bool, every_steps: int):
+                 progress_bar: bool, log_samples: bool, every_steps: int, resumed_line: dict[str, Any] | None = None):
         self.rank = rank
         self.every = every_steps
         self.main = rank == 0
@@ -46,7 +49,9 @@ class StepLogger:
             self.samples = _open_from(run_dir / f"samples_rank{rank}.jsonl", start_step)
         if not self.main:
             return
-        self.metrics = _open_from(run_dir / "metrics.jsonl", start_step)
+        if resumed_line and start_step % every_steps and not resumed_line.get("final"):
+            resumed_line = None  # (a step the cadence does not log)
+        self.metrics = _open_from(run_dir / "metrics.jsonl", start_step, resumed_line)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -321,6 +321,7 @@ class Trainer:
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         ckpt.load_rng(path, self.info.rank)
         self.tokens_seen = int(meta["tokens_seen"])
+        self.resumed_log = meta.get("log")  # the step's metrics line, in case a kill came before it was logged
         self.log(f"resumed from {path} at step {meta['step']}")
         return int(meta["step"])
 
@@ -372,7 +373,9 @@ class Trainer:
                 "train.skip_nonfinite_steps=N" if skippable else "lower train.learning_rate or the loss weights")
         return f"step {step}: {what} not finite (NaN/inf); the run stops, {kept}; {hint}"
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, log: dict[str, Any] | None = None) -> Path:
+        """Checkpoint ``step``; ``log``: its metrics line, kept in the meta so that a resume after a kill
+        between this save and the log write fills the line in (metrics.jsonl keeps no gap)."""
         state = self.trainable()
         if not all(bool(torch.isfinite(t).all()) for t in state.values()):
             raise NonFiniteError(self._nonfinite_message(step, "the trained weights are", skippable=False))
@@ -384,6 +387,7 @@ class Trainer:
             "identity": self.identity(),
             # What the model trained on (the prepared data's plan): export's default inference geometry.
             "geometry": {k: plan[k] for k in ("first_chunk", "stride", "intervals") if k in (plan := self.manifest.get("plan") or {})},
+            "log": log,
         }
         return ckpt.save_checkpoint(
             self.run_dir, step, rank=self.info.rank, barrier=self.info.barrier, trainable=state,
@@ -424,7 +428,8 @@ class Trainer:
         stop = min(self.total_steps, r.checkpoint.stop_after_step or self.total_steps)
         logger = StepLogger(self.run_dir, rank=self.info.rank, total_steps=self.total_steps, start_step=start,
                             tensorboard=r.logging.tensorboard, progress_bar=r.logging.progress_bar,
-                            log_samples=r.logging.log_samples, every_steps=r.logging.every_steps)
+                            log_samples=r.logging.log_samples, every_steps=r.logging.every_steps,
+                            resumed_line=getattr(self, "resumed_log", None))
         result = TrainResult(run_dir=self.run_dir, steps=start)
         tokens_run, time_run = 0, 0.0
         cached_epoch, epoch_plan = -1, []
@@ -450,7 +455,7 @@ class Trainer:
                 every = r.checkpoint.every_steps
                 if (every and step % every == 0) or step == stop:
                     began = time.perf_counter()
-                    result.last_checkpoint = self.save(step)
+                    result.last_checkpoint = self.save(step, log=dict(metrics))
                     saved_step = step
                     result.checkpoint_seconds.append(time.perf_counter() - began)
                     metrics["checkpoint_seconds"] = result.checkpoint_seconds[-1]
