@@ -235,6 +235,25 @@ def test_messages_evidence_is_located_and_bad_evidence_reported(tmp_path):
         prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "s", strict=True, **PLAN))
 
 
+def test_alpaca_evidence_is_located_and_evidence_in_the_answer_is_reported(tmp_path):
+    """Alpaca records count their built turns (0: instruction + input, 1: output), so their evidence is
+    kept (it was always refused); evidence placed in the answer is a reported record, not a silent
+    sample without evidence."""
+    context = "alpha beta gamma. The code is 4711. delta epsilon."
+    user = "Answer from the text.\n\n" + context
+    good = {"instruction": "Answer from the text.", "input": context, "output": "4711",
+            "evidence": [[0, user.index("4711"), user.index("4711") + 4]]}
+    in_answer = {**good, "evidence": [[1, 0, 4]]}
+    path = tmp_path / "alpaca.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(in_answer) + "\n")
+    ds, manifest = load_prepared(prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "o", **PLAN)))
+    assert len(ds) == 1 and manifest["counts"]["with_evidence"] == 1
+    a, b = ds[0]["evidence"]
+    assert tiny_tokenizer().decode(_raw(ds[0], "input_ids")[a:b]).strip() == "4711"
+    with pytest.raises(DataError, match=r"alpaca.jsonl:2.*an assistant turn"):
+        prepare_stage2(Stage2Settings(inputs=(str(path),), output=tmp_path / "s", strict=True, **PLAN))
+
+
 def test_packed_questions_equal_their_single_conversations(tmp_path):
     """pack_questions: a paragraph's questions share one context and become one row; training that row in the
     refilled layout gives the loss of its single conversations, and the preparation records the packing."""

@@ -74,9 +74,12 @@ def iter_examples(settings: Stage2Settings, tokenizer: Any, problems: InputProbl
 
 
 def _turns(data: dict) -> int:
-    """Messages of a record before a system prompt is added (evidence indices count these)."""
+    """Messages of a record before a system prompt is added (evidence indices count these). An Alpaca
+    record is two: 0 the user turn (instruction, a blank line, input), 1 the output."""
     turns = data.get("messages") or data.get("conversations")
-    return len(turns) if isinstance(turns, list) else 0
+    if isinstance(turns, list):
+        return len(turns)
+    return 2 if "instruction" in data and "output" in data else 0
 
 
 def evidence_spans(value: Any, messages: list[dict[str, str]], shift: int = 0) -> list[list[int]]:
@@ -94,6 +97,9 @@ def evidence_spans(value: Any, messages: list[dict[str, str]], shift: int = 0) -
         index, start, end = item[0] + shift, item[1], item[2]
         if not 0 <= index < len(messages):
             raise DataError(f"'evidence' entry {item!r}: message {item[0]} does not exist")
+        if messages[index]["role"] == "assistant":  # a refill brings back context, never the answer
+            raise DataError(f"'evidence' entry {item!r} lies in message {item[0]}, an assistant turn; evidence "
+                            "marks where the answer's support is in the context (a user or system turn)")
         if not 0 <= start < end <= len(messages[index]["content"]):
             raise DataError(f"'evidence' entry {item!r}: characters {start}..{end} are outside message {item[0]}'s "
                             f"content ({len(messages[index]['content'])} characters)")
@@ -190,10 +196,16 @@ def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
                  "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"])),
                  "with_evidence": int(sum(1 for e in kept["evidence"] if len(e))),
                  "pack_questions": settings.pack_questions, "questions": int(sum(len(q) // 2 for q in kept["question"]))}
+        marked = sum(1 for e in examples["evidence"] if e not in ("[]", "", None))  # conversations marking evidence
         manifest = build_manifest(2, settings, kept, inputs, tok_facts, l1_id, problems, key, extra)
         manifest["dropped_by_reason"] = dropped
         write_manifest(out, manifest)
-    log(f"wrote {len(kept)} samples to {settings.output} ({extra['truncated']} truncated, {extra['dropped']} dropped)")
+    with_evidence = f", {extra['with_evidence']} with evidence of {marked} marked" if marked else ""
+    log(f"wrote {len(kept)} samples to {settings.output} ({extra['truncated']} truncated, {extra['dropped']} dropped"
+        f"{with_evidence})")
+    if marked and not extra["with_evidence"]:
+        log(f"warning: {marked} conversations mark evidence, but none of it survived into a sample (cut by "
+            "truncation?): refill training (train.refill_loss / refill_sim) will have nothing to refill")
     return settings.output
 
 
