@@ -26,7 +26,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "calibrate": ("acre_train.eval.calibrate", "pick an export's refill scorer on dev questions with known evidence (writes it into the export)"),
     "chat": ("acre_train.infer.chat_cli", "answer questions typed at a prompt about a long context file (export + refilling)"),
     "generate": ("acre_train.infer.generate_cli", "answer a JSONL of (context, question) rows; writes answers with timing and memory"),
-    "reproduce": ("acre_train.mini.cli", "re-run a study end to end: 'real' trains and evaluates ACRE on the real 0.5B base (docs/real-base.md)"),
+    "reproduce": ("acre_train.reproduce", "re-run a study end to end: 'real' trains and evaluates ACRE on the real 0.5B base (docs/real-base.md)"),
 }
 
 # verb -> the examples its --help ends with (what a newcomer copies first).

@@ -14,15 +14,11 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = parser.add_subparsers(dest="action", metavar="<action>", required=True)
-    ls = sub.add_parser("ls", help="list the packaged recipes and configs")
-    ls.add_argument("--all", action="store_true", help="also the miniature study's own recipes (mini/)")
+    sub.add_parser("ls", help="list the packaged recipes and configs")
     p = sub.add_parser("cp", help="copy a packaged recipe or config to a file or folder you can edit")
     p.add_argument("name", help="as 'ls' prints it, e.g. tiny_stage1 or qwen2.5-0.5b/stage2 or deepspeed/zero2.json")
     p.add_argument("dest", help="a file path, or an existing folder")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
-
-
-STUDY_FOLDERS = ("mini/",)  # recipes a study drives (acre-train reproduce mini), not ones to start from
 
 
 def _describe(path: Path) -> str:
@@ -47,8 +43,6 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "ls":
         for path in packaged_files():
             rel = path.relative_to(PACKAGED_RECIPES).as_posix()
-            if rel.startswith(STUDY_FOLDERS) and not args.all:
-                continue
             name = rel[:-5] if rel.endswith(".yaml") else rel
             print(f"{name:<32} {_describe(path)}")
         return 0

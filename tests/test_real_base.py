@@ -45,8 +45,8 @@ def test_the_shipped_adapter_reproduces_its_report_row_on_one_context(tmp_path):
     from acre_train.eval.tasks import build_task
     from acre_train.infer.load import load_export
     from acre_train.quickstart import STAGE1_ADAPTER, shipped_adapter_export
-    from acre_train.real.study import RealConfig
-    from acre_train.real.streams import EVAL_SEED
+    from studies.real.study import RealConfig
+    from studies.real.streams import EVAL_SEED
 
     config = RealConfig()
     model, tok, _ = load_export(shipped_adapter_export(tmp_path / "export", STAGE1_ADAPTER), dtype=torch.float32)

@@ -29,6 +29,11 @@ def test_the_wheel_runs_the_quickstart_from_another_folder(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "acre_train.cli", "recipes", "ls"], cwd=elsewhere, env=env,
                             capture_output=True, text=True, check=True).stdout
     assert "qwen2.5-0.5b/stage1" in listed and "deepspeed/zero2.json" in listed and "mini/" not in listed
+    # The studies are not in the wheel: reproduce says so in one line instead of failing on an import.
+    studies = subprocess.run([sys.executable, "-m", "acre_train.cli", "reproduce", "real", "--squad", "x.json"],
+                             cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert studies.returncode == 2 and "runs the studies of a source checkout" in studies.stderr, studies.stderr
+    assert "Traceback" not in studies.stderr
     run = subprocess.run([sys.executable, "-m", "acre_train.cli", "quickstart", "--tiny", "--steps", "2", "--output", "qs"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

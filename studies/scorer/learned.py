@@ -40,7 +40,7 @@ GEOMETRY = ["--first-chunk", "1024", "--stride", "512", "--interval", "32", "--m
 def conversations(root: Path) -> Path:
     from acre_train.data.tokenizer import auto_tokenizer
     from acre_train.base.fetch import resolve_source
-    from acre_train.real.streams import stage2_conversations, write_jsonl
+    from studies.real.streams import stage2_conversations, write_jsonl
 
     out = root / "learned" / "stage2.jsonl"
     if out.is_file():

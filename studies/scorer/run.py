@@ -30,6 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))  # the studies package of this checkout (not installed)
 ADAPTER = REPO / "docs/real-base/adapters/stage2-lora-step120+120.safetensors"
 BASE = "base:qwen2.5-coder-0.5b-instruct"
 # (length, task) -> (truncation budget = ACRE's attended KV, max new tokens, rows, dev questions).
@@ -50,7 +51,7 @@ def log(msg: str) -> None:
 
 
 def export(root: Path) -> Path:
-    from acre_train.real.study import RealConfig, RealStudy
+    from studies.real.study import RealConfig, RealStudy
 
     study = RealStudy(root, None, RealConfig(adapters={"stage2-long": str(ADAPTER)}), log=log)
     out = study.export_dir("stage2-long")
@@ -60,7 +61,7 @@ def export(root: Path) -> Path:
 
 
 def squad_splits(root: Path, squad: Path) -> tuple[Path, Path]:
-    from acre_train.real.streams import split_articles, subset_squad
+    from studies.real.streams import split_articles, subset_squad
 
     train, held = split_articles(squad)
     dev, evals = root / "squad-train.json", root / "squad-heldout.json"

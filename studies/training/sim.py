@@ -46,7 +46,7 @@ CELLS = ("2048/squad", "4096/niah_multikey")
 
 def inputs(root: Path, squad: Path) -> tuple[Path, Path]:
     """The study's stage-2 conversations and the stage-1 adapter's export (the run starts from it)."""
-    from acre_train.real.study import RealConfig, RealStudy
+    from studies.real.study import RealConfig, RealStudy
 
     study = RealStudy(root, squad, RealConfig(adapters={"stage1-long": str(STAGE1)}), log=log)
     study.step_streams()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from acre_train.mini.study import STEPS, Study, StudyConfig
+from studies.mini.study import STEPS, Study, StudyConfig
 
 
 @pytest.fixture

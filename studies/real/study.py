@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..modeling.geometry import WindowGeometry
+from acre_train.modeling.geometry import WindowGeometry
+from acre_train.train.recipe import PACKAGED_RECIPES
 from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
@@ -102,7 +103,7 @@ class RealConfig:
     stage2_conversations: int = 96
     stage2_lengths: tuple[int, ...] = (1024, 1536, 2048, 2560)
     base: str = BASE
-    recipes: str = str(Path(__file__).resolve().parents[1] / "recipes" / "qwen2.5-0.5b")
+    recipes: str = str(PACKAGED_RECIPES / "qwen2.5-0.5b")  # the product's CPU-sized real-base recipes
     overrides: tuple[str, ...] = ()  # extra key=value for both training runs (smoke: tiny sizes)
     # Kept L1 weights (``acre_adapter.safetensors`` of an adapter-only export) per model, used by the
     # export step when the run's checkpoints are gone (a fresh machine): {"stage1": "path", ...}.
@@ -170,7 +171,7 @@ class RealStudy:
         return self.squad
 
     def step_streams(self) -> None:
-        from ..data.tokenizer import auto_tokenizer
+        from acre_train.data.tokenizer import auto_tokenizer
 
         out = self.streams
         if (out / "manifest.json").is_file():
@@ -194,7 +195,7 @@ class RealStudy:
         self.log(f"streams: wrote {out} ({len(train)} training / {len(held)} held-out SQuAD articles)")
 
     def _train(self, stage: str) -> None:
-        from ..train.checkpoint import latest_checkpoint, read_meta
+        from acre_train.train.checkpoint import latest_checkpoint, read_meta
 
         spec = RUNS[stage]
         recipe = Path(self.config.recipes) / f"{spec.recipe}.yaml"
@@ -217,7 +218,7 @@ class RealStudy:
         subprocess.run(args, check=True)
 
     def _max_steps(self, recipe: Path, variant: tuple[str, ...] = ()) -> int | None:
-        from ..train.recipe import load_recipe
+        from acre_train.train.recipe import load_recipe
 
         pairs = [o for o in (*variant, *self.config.overrides) if o.startswith("train.max_steps=")]
         return load_recipe(recipe, pairs).train.max_steps
@@ -225,11 +226,11 @@ class RealStudy:
     def step_export(self) -> None:
         import torch
 
-        from ..base.fetch import resolve_source
-        from ..data.tokenizer import auto_tokenizer
-        from ..export import export_model
-        from ..export.checkpoint import load_checkpoint_model
-        from ..modeling import attach_acre
+        from acre_train.base.fetch import resolve_source
+        from acre_train.data.tokenizer import auto_tokenizer
+        from acre_train.export import export_model
+        from acre_train.export.checkpoint import load_checkpoint_model
+        from acre_train.modeling import attach_acre
 
         base = resolve_source(self.config.base)
         tok = auto_tokenizer(base)
@@ -256,15 +257,15 @@ class RealStudy:
             del acre
 
     def _has_checkpoint(self, model: str) -> bool:
-        from ..train.checkpoint import latest_checkpoint
+        from acre_train.train.checkpoint import latest_checkpoint
 
         run = self.run_dir(model)
         return run.is_dir() and latest_checkpoint(run) is not None
 
     def _from_adapter(self, model: str, base: str):
         """The ACRE model of a kept L1 weight file, with the L1 form (LoRA rank...) its recipe names."""
-        from ..export.checkpoint import model_from_adapter
-        from ..train.recipe import load_recipe
+        from acre_train.export.checkpoint import model_from_adapter
+        from acre_train.train.recipe import load_recipe
 
         spec = RUNS[model]
         recipe = load_recipe(Path(self.config.recipes) / f"{spec.recipe}.yaml", list(spec.overrides))
@@ -294,7 +295,7 @@ class RealStudy:
             self._eval_cell(length, task, model)
 
     def _examples(self, tokenizer, length: int, task: str):
-        from ..eval.tasks import build_task
+        from acre_train.eval.tasks import build_task
 
         return build_task(task, tokenizer, length, self.config.questions, EVAL_SEED,
                           squad_path=self.streams / "squad-heldout.json",
@@ -311,10 +312,10 @@ class RealStudy:
     def _eval_cell(self, length: int, task: str, model: str) -> None:
         import torch
 
-        from ..base.fetch import resolve_source
-        from ..data.tokenizer import auto_tokenizer
-        from ..eval.harness import EvalConfig, evaluate
-        from ..eval.methods import parse_methods
+        from acre_train.base.fetch import resolve_source
+        from acre_train.data.tokenizer import auto_tokenizer
+        from acre_train.eval.harness import EvalConfig, evaluate
+        from acre_train.eval.methods import parse_methods
 
         out = self.cell_dir(length, task, model)
         if (out / "summary.json").is_file():
@@ -326,7 +327,7 @@ class RealStudy:
             path = resolve_source(self.config.base)
             net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         else:
-            from ..infer.load import load_export
+            from acre_train.infer.load import load_export
 
             net, _, _ = load_export(self.export_dir(model))
             path = resolve_source(self.config.base)

@@ -20,7 +20,7 @@ import torch
 def _answer_logits(model, tokenizer, ex) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced logits predicting each token of ``" " + answer`` after the harness prompt, and
     those answer token ids."""
-    from ..eval.prompt import prepare_example
+    from acre_train.eval.prompt import prepare_example
     from .data import answer_text
 
     prompt = prepare_example(tokenizer, ex).prompt_ids()
@@ -58,7 +58,7 @@ def needle_accuracy(model, tokenizer, task: str, context_tokens: int, examples: 
     >>> needle_accuracy(model, tokenizer, "niah_single", 256)  # doctest: +SKIP
     {'task': 'niah_single', 'context_tokens': 256, 'examples': 20, 'exact': 0.1, 'first_digit': 0.3, 'digits': 0.6}
     """
-    from ..eval.tasks import build_task
+    from acre_train.eval.tasks import build_task
     from .data import EVAL_SEED
 
     exs = build_task(task, tokenizer, context_tokens, examples, EVAL_SEED + 1 if seed is None else seed)
@@ -87,7 +87,7 @@ def drill_accuracy(model, tokenizer, facts: int, drills: int = 12, seed: int = 1
     """
     import random
 
-    from ..data.chat import render_conversation
+    from acre_train.data.chat import render_conversation
     from .data import drill_conversation
 
     rng = random.Random(seed)

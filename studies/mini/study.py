@@ -3,7 +3,7 @@
 Every step writes its outputs under ``root`` and is skipped when they already exist (so an
 interrupted study continues where it stopped); the wall time of each step run is recorded in
 ``root/timings.json``. Training steps run the toolkit's own command, ``acre-train train
-recipes/mini/<step>.yaml k=v ...``, in a subprocess (optionally under ``nice``).
+studies/mini/recipes/<step>.yaml k=v ...``, in a subprocess (optionally under ``nice``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "mini"
+RECIPES = Path(__file__).resolve().parent / "recipes"  # the study's own recipes (not installed)
 STEPS = ("tokenizer", "streams", "base", "base2", "export-base", "stage1", "stage2", "vanilla-sft", "eval", "report")
 # Training steps: their run folder under runs/ and the stream (= prepared data folder) they train on.
 RUNS = {"base": "base", "base2": "base2", "stage1": "acre-stage1", "stage2": "acre-stage2", "vanilla-sft": "vanilla-sft"}
@@ -161,7 +161,7 @@ class Study:
             self.log(f"  previous {path.name} kept as {target.name}")
 
     def done(self, step: str) -> bool:
-        from ..train.checkpoint import latest_checkpoint, read_meta
+        from acre_train.train.checkpoint import latest_checkpoint, read_meta
 
         if step == "tokenizer":
             return (self.tokenizer_dir / "tokenizer.json").is_file()
@@ -190,7 +190,7 @@ class Study:
 
     def eval_questions(self, tokenizer) -> set[str]:
         """Questions of every SQuAD evaluation set (excluded from training streams)."""
-        from ..eval.tasks import build_task
+        from acre_train.eval.tasks import build_task
         from .data import EVAL_SEED
 
         if "squad" not in self.config.eval_tasks:
@@ -199,7 +199,7 @@ class Study:
                 for e in build_task("squad", tokenizer, n, self.config.eval_examples, EVAL_SEED)}
 
     def step_streams(self) -> None:
-        from ..data.tokenizer import auto_tokenizer
+        from acre_train.data.tokenizer import auto_tokenizer
 
         from .data import (StreamSettings, drill_conversations, stage1_documents, stage2_conversations,
                            task_conversations, write_jsonl)
@@ -265,7 +265,7 @@ class Study:
 
     def export_phase(self, config_dir: Path, run: str, out: Path) -> None:
         """A pretraining phase's weights as a HF folder (+ tokenizer and self-check)."""
-        from ..data.tokenizer import auto_tokenizer
+        from acre_train.data.tokenizer import auto_tokenizer
 
         model = load_full_weights(config_dir, self.run_dir(run))
         model.save_pretrained(str(out))
@@ -300,7 +300,7 @@ class Study:
         """(label prefix, model loader) of every evaluated model."""
         from transformers import AutoModelForCausalLM
 
-        from ..export.checkpoint import load_checkpoint_model
+        from acre_train.export.checkpoint import load_checkpoint_model
 
         return {
             "base": lambda: AutoModelForCausalLM.from_pretrained(str(self.base_dir)).eval(),
@@ -315,11 +315,11 @@ class Study:
                     max_refill=c.max_refill if refill else 0, working_window=c.working_window)
 
     def step_eval(self) -> None:
-        from ..data.tokenizer import auto_tokenizer
+        from acre_train.data.tokenizer import auto_tokenizer
 
-        from ..eval.harness import EvalConfig, evaluate, summarize
-        from ..eval.methods import METHODS, parse_method
-        from ..eval.tasks import build_task
+        from acre_train.eval.harness import EvalConfig, evaluate, summarize
+        from acre_train.eval.methods import METHODS, parse_method
+        from acre_train.eval.tasks import build_task
         from .data import EVAL_SEED
 
         c = self.config
@@ -420,7 +420,7 @@ def load_full_weights(config_dir: Path, run_dir: Path):
     """A model from ``config_dir`` with every weight replaced by the newest checkpoint of ``run_dir``."""
     from transformers import AutoModelForCausalLM
 
-    from ..train.checkpoint import find_weights_checkpoint, load_trainable
+    from acre_train.train.checkpoint import find_weights_checkpoint, load_trainable
 
     model = AutoModelForCausalLM.from_pretrained(str(config_dir))
     state = load_trainable(find_weights_checkpoint(Path(run_dir)))
@@ -435,11 +435,11 @@ def self_check(model_dir: str | Path, config: StudyConfig | None = None, *, task
     """The base model's accuracy on its own retrieval task (full attention, evaluation seed + 1)."""
     from transformers import AutoModelForCausalLM
 
-    from ..data.tokenizer import auto_tokenizer
+    from acre_train.data.tokenizer import auto_tokenizer
 
-    from ..eval.harness import EvalConfig, evaluate
-    from ..eval.methods import parse_method
-    from ..eval.tasks import build_task
+    from acre_train.eval.harness import EvalConfig, evaluate
+    from acre_train.eval.methods import parse_method
+    from acre_train.eval.tasks import build_task
     from .data import EVAL_SEED
     from .diagnostics import answer_nll, drill_accuracy, needle_accuracy
 

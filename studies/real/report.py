@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .study import RealStudy
 
-from ..eval.metrics import bootstrap_ci
+from acre_train.eval.metrics import bootstrap_ci
 
 
 def _rows(cell: Path) -> list[dict[str, Any]]:

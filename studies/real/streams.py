@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..data.squad import TRAIN_PARITY, split_articles, squad_articles, subset_squad  # noqa: F401 (the study's names)
+from acre_train.data.squad import TRAIN_PARITY, split_articles, squad_articles, subset_squad  # noqa: F401 (the study's names)
 
 
 def write_text_mix(squad_path: str | Path, out: str | Path) -> Path:
@@ -49,9 +49,9 @@ def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: 
     Built with the evaluation's own task generators and prompt pieces (instruction, documents,
     question), at training seeds, so stage 2 trains on exactly the format the study evaluates.
     """
-    from ..data.prompt import context_span, qa_messages
-    from ..eval.prompt import evidence_char_ranges, example_context, example_instruction
-    from ..eval.tasks import build_task
+    from acre_train.data.prompt import context_span, qa_messages
+    from acre_train.eval.prompt import evidence_char_ranges, example_context, example_instruction
+    from acre_train.eval.tasks import build_task
 
     rows = []
     for i in range(num):

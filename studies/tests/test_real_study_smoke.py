@@ -31,7 +31,7 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     manifest = json.loads((root / "streams" / "manifest.json").read_text())
     assert not set(manifest["train_articles"]) & set(manifest["heldout_articles"])
     report = (root / "report.md").read_text()
-    from acre_train.real.study import MODELS
+    from studies.real.study import MODELS
 
     for row in {name for rows in MODELS.values() for name in rows.values()}:  # every row of every model group
         assert row in report
@@ -58,8 +58,8 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
 
 def test_reproduce_help_names_every_step_of_both_studies(capsys):
     """The --steps help is written out by hand (the CLI does not import torch to print help)."""
-    from acre_train.mini.study import STEPS as MINI
-    from acre_train.real.study import STEPS as REAL
+    from studies.mini.study import STEPS as MINI
+    from studies.real.study import STEPS as REAL
 
     with pytest.raises(SystemExit):
         cli_main(["reproduce", "--help"])

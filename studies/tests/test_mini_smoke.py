@@ -1,6 +1,6 @@
 """The miniature study end to end at smoke size: every step and every command it runs
 (tokenizer training, stream building, `acre-train train` for the base / stage 1 / stage 2 / vanilla SFT
-recipes in recipes/mini/, base export + self-check, the evaluation of every row, the report)."""
+recipes in studies/mini/recipes/, base export + self-check, the evaluation of every row, the report)."""
 
 from __future__ import annotations
 

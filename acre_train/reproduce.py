@@ -1,4 +1,8 @@
-"""``acre-train reproduce real|mini``: re-run a study end to end (each resumes where it stopped).
+"""``acre-train reproduce real|mini``: re-run a study of a source checkout end to end.
+
+The studies are not part of the installed package: they live in ``studies/`` of a checkout (``git
+clone`` the repository), with their drivers, recipes and tests. This verb finds that folder next to the
+``acre_train`` it runs from and hands over to ``studies/reproduce.py``; from a wheel it says so.
 
 * ``real``: ACRE trained and evaluated on the real Qwen2.5-Coder-0.5B base (docs/real-base.md);
 * ``mini``: the earlier from-scratch miniature (docs/miniature.md, kept as history).
@@ -7,8 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,45 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nice", type=int, default=0, help="run training subprocesses under nice -n N")
 
 
+def find_studies() -> Path:
+    """The checkout's ``studies/`` folder (importable as ``studies``); a clear error from a wheel."""
+    if not (CHECKOUT / "studies" / "reproduce.py").is_file():
+        raise FileNotFoundError("acre-train reproduce runs the studies of a source checkout, and this acre-train "
+                                f"is installed without them ({CHECKOUT} has no studies/): git clone the repository, "
+                                "pip install -e it, and run the command there")
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    return CHECKOUT / "studies"
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.study == "real":
-        return run_real(args)
-    from .study import STEPS, Study, StudyConfig
-
-    config = StudyConfig.smoke() if args.smoke else StudyConfig.full()
-    root = args.root or ("checkpoints/mini-smoke" if args.smoke else "checkpoints/mini")
-    steps = tuple(s.strip() for s in args.steps.split(",") if s.strip()) if args.steps else STEPS
-    study = Study(root, config, nice=args.nice, log=lambda m: print(m, flush=True))
-    try:
-        timings = study.run(steps, force=args.force)
-    except (RuntimeError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print("step times (s): " + ", ".join(f"{k}={v}" for k, v in timings.items()))
-    return 0
-
-
-def run_real(args: argparse.Namespace) -> int:
-    from ..real.study import RUNS, STEPS, RealConfig, RealStudy
-
-    unsupported = [flag for flag, on in (("--force", args.force), ("--nice", args.nice)) if on]
-    if unsupported:  # said plainly rather than ignored
-        raise ValueError(f"reproduce real does not take {' or '.join(unsupported)}: each step resumes from its "
-                         "own outputs (delete a step's folder under --root to redo it; run the command under "
-                         "`nice -n N` to lower its priority); these flags apply to `reproduce mini`")
-    config = RealConfig.smoke(args.smoke_base) if args.smoke else RealConfig()
-    for pair in args.adapter:
-        model, sep, path = pair.partition("=")
-        if not sep or model not in RUNS:
-            raise ValueError(f"--adapter {pair!r}: expected MODEL=FILE with MODEL one of {', '.join(RUNS)}")
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--adapter {pair!r}: no such file {path}")
-        config.adapters[model] = path
-    if args.cells:
-        config.cells = tuple(c.strip() for c in args.cells.split(",") if c.strip())
-    root = args.root or ("checkpoints/real-smoke" if args.smoke else "checkpoints/real")
-    steps = tuple(s.strip() for s in args.steps.split(",") if s.strip()) if args.steps else STEPS
-    timings = RealStudy(root, args.squad, config, log=lambda m: print(m, flush=True)).run(steps)
-    print("step times (s): " + ", ".join(f"{k}={v}" for k, v in timings.items()))
-    return 0
-
+    find_studies()
+    return importlib.import_module("studies.reproduce").run(args)

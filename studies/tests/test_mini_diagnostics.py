@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from acre_train.mini.data import train_tokenizer
-from acre_train.mini.diagnostics import drill_accuracy, needle_accuracy
+from studies.mini.data import train_tokenizer
+from studies.mini.diagnostics import drill_accuracy, needle_accuracy
 
 
 @pytest.fixture(scope="module")

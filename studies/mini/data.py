@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..eval.prompt import CONTEXT_INSTRUCTION, DOCS_INSTRUCTION
-from ..eval.tasks import Example, build_task
+from acre_train.eval.prompt import CONTEXT_INSTRUCTION, DOCS_INSTRUCTION
+from acre_train.eval.tasks import Example, build_task
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -60,8 +60,8 @@ _NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
 def tokenizer_corpus(seed: int = SEEDS["tokenizer"]) -> list[str]:
     """Text the tokenizer is trained on: the built-in Python reference, SQuAD paragraphs and
     questions, and synthetic needle/variable lines of the retrieval streams."""
-    from ..data.builtin import builtin_text
-    from ..eval.tasks import WORDS, load_squad
+    from acre_train.data.builtin import builtin_text
+    from acre_train.eval.tasks import WORDS, load_squad
 
     texts = [r["text"] for r in builtin_text()]
     squad = load_squad(None)  # the packaged sample (the product never reads a machine's data layout)
@@ -140,7 +140,7 @@ class StreamSettings:
 
 def _filler(rng: random.Random, min_chars: int) -> str:
     """Random Python-reference topics joined until ``min_chars`` characters."""
-    from ..data.builtin import builtin_text
+    from acre_train.data.builtin import builtin_text
 
     docs = builtin_text()
     parts, n = [], 0
@@ -190,7 +190,7 @@ def drill_conversation(rng: random.Random, facts: int, filler: float = 0.0) -> l
     each, with probability ``filler``, one sentence of reference text), then one harness-format
     question per key in random order, each answered by the assistant (the loss sees only the answers).
     """
-    from ..eval.tasks import NEEDLE_INSTRUCTION, WORDS, filler_sentences, needle_question
+    from acre_train.eval.tasks import NEEDLE_INSTRUCTION, WORDS, filler_sentences, needle_question
 
     sentences = filler_sentences()
     keys = list(dict.fromkeys(f"{rng.choice(WORDS)}-{rng.choice(WORDS)}" for _ in range(3 * facts)))[:facts]
@@ -227,7 +227,7 @@ def qa_conversation(ex: Example, dense: bool = False) -> list[dict[str, str]]:
     """An example as the harness's prompt + answer; ``dense``: every other multi-key needle asked too."""
     messages = [{"role": "user", "content": prompt_text(ex)}, {"role": "assistant", "content": answer_text(ex)}]
     if dense and ex.task == "niah_multikey" and ex.context:
-        from ..eval.tasks import needle_question
+        from acre_train.eval.tasks import needle_question
 
         for k, v in _NEEDLE.findall(ex.context):
             if v not in ex.answers:

@@ -1,6 +1,6 @@
 """The miniature study (docs/miniature.md): a small base trained here, ACRE on top, the comparison.
 
-``acre-train reproduce mini [--smoke]`` runs it (``acre_train.mini.cli``); ``study.Study`` is the driver,
+``acre-train reproduce mini [--smoke]`` runs it (``studies.mini.cli``); ``study.Study`` is the driver,
 ``data`` builds the tokenizer and the training streams,
 ``report`` the tables and plot, ``diagnostics`` the answer-likelihood and drill-accuracy checks.
 """
