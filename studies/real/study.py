@@ -76,7 +76,7 @@ RUNS: dict[str, Run] = {
     "stage2-long": Run("qwen2.5-0.5b-stage2-lora-120", "stage2", _acre("stage 1+2 (120 + 120 steps)"),
                        ("train.max_steps=120",), start="stage1-long"),
 }
-STEPS = ("streams", *RUNS, "export", "eval", "report")
+STEPS = ("streams", "corpus", *RUNS, "export", "eval", "report")
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
 # Model groups of the evaluation, in the order they run: method -> row name in the report.
 MODELS: dict[str, dict[str, str]] = {
@@ -102,6 +102,10 @@ class RealConfig:
         first_chunk=1024, stride=512, intervals=(32,), working_window=32768, max_refill=192))
     stage2_conversations: int = 96
     stage2_lengths: tuple[int, ...] = (1024, 1536, 2048, 2560)
+    # The larger training data (corpus.py): stage-1 tokens, stage-2 conversations and their lengths.
+    corpus_tokens: int = 1_000_000
+    corpus_conversations: int = 1200
+    corpus_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
     base: str = BASE
     recipes: str = str(PACKAGED_RECIPES / "qwen2.5-0.5b")  # the product's CPU-sized real-base recipes
     overrides: tuple[str, ...] = ()  # extra key=value for both training runs (smoke: tiny sizes)
@@ -117,7 +121,8 @@ class RealConfig:
         return cls(lengths=(300,), tasks=("squad", "niah_multikey"), questions=2, questions_per_context=2,
                    max_new_tokens={"squad": 3, "niah_multikey": 3}, cachefocus="cachefocus:n=1",
                    inference=WindowGeometry(first_chunk=64, stride=32, intervals=(8,), working_window=4096, max_refill=32),
-                   stage2_conversations=4, stage2_lengths=(200,), base=base,
+                   stage2_conversations=4, stage2_lengths=(200,), corpus_tokens=2000, corpus_conversations=4,
+                   corpus_lengths=(200,), base=base,
                    overrides=(f"model.source={base}", f"data.prepare.tokenizer={base}", "train.max_steps=1",
                               "checkpoint.every_steps=1", "data.prepare.first_chunk=64", "data.prepare.stride=32",
                               "data.prepare.min_length=128", "data.prepare.max_length=256",
@@ -222,6 +227,25 @@ class RealStudy:
 
         pairs = [o for o in (*variant, *self.config.overrides) if o.startswith("train.max_steps=")]
         return load_recipe(recipe, pairs).train.max_steps
+
+    def step_corpus(self) -> None:
+        """The larger training data (corpus.py): >= 1M stage-1 tokens and >= 1,000 stage-2 conversations."""
+        from acre_train.data.tokenizer import auto_tokenizer
+
+        from .corpus import write_corpus
+
+        if (self.streams / "corpus-manifest.json").is_file():
+            self.log(f"corpus: {self.streams / 'corpus-manifest.json'} exists; skipped")
+            return
+        squad = self._need_squad()
+        if not (self.streams / "squad-train.json").is_file():
+            self.step_streams()
+        c = self.config
+        manifest = write_corpus(auto_tokenizer(c.base), squad, self.streams / "squad-train.json", self.streams,
+                                tokens=c.corpus_tokens, conversations=c.corpus_conversations, lengths=c.corpus_lengths)
+        s1, s2 = manifest["stage1"], manifest["stage2"]
+        self.log(f"corpus: stage 1 {s1['tokens']:,} tokens in {s1['documents']} documents; stage 2 "
+                 f"{s2['conversations']} conversations ({s2['distinct_question_answer']} distinct question/answer pairs)")
 
     def step_export(self) -> None:
         import torch

@@ -9,7 +9,7 @@ import pytest
 
 from acre_train.cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -44,6 +44,8 @@ def test_reproduce_real_smoke_runs_every_step_and_resumes(tmp_path, monkeypatch,
     assert any("lora" in k for k in l1_keys("stage1"))
     assert l1_keys("stage2-full") and not any("lora" in k for k in l1_keys("stage2-full"))  # full copies, end to end
     assert manifest["with_evidence"] == manifest["stage2_conversations"]  # every training question knows its evidence
+    corpus = json.loads((root / "streams" / "corpus-manifest.json").read_text())
+    assert corpus["stage1"]["tokens"] >= 2000 and corpus["stage2"]["conversations"] == 4
     metrics = [json.loads(x) for x in (root / "runs" / "qwen2.5-0.5b-stage2-refill-lora" / "metrics.jsonl").read_text().splitlines()]
     assert any("refill_loss" in m for m in metrics)
     records = json.loads((root / "report.json").read_text())
