@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from acre_train.modeling.geometry import WindowGeometry
 from acre_train.train.recipe import PACKAGED_RECIPES

@@ -134,6 +134,35 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
     tmp.replace(out)
 
 
+def paired(base_dir: Path, base_row: str, other_dir: Path, other_row: str) -> dict:
+    """Per-question difference (other - base) of two rows on the same questions, each row's split into
+    refilled / missed, and full attention's score on the questions each row refilled (when the base
+    cell has a ``full`` row): the comparison every study table reads."""
+    from acre_train.eval.metrics import bootstrap_ci, refill_split
+
+    def rows(folder: Path, method: str) -> dict[tuple[str, int], dict]:
+        out, seen = {}, {}
+        for line in (folder / "predictions.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r["method"] == method:
+                n = seen[r["id"]] = seen.get(r["id"], -1) + 1  # ids repeat per context: pair by occurrence
+                out[(r["id"], n)] = r
+        return out
+
+    a, b, full = rows(base_dir, base_row), rows(other_dir, other_row), rows(base_dir, "full")
+    keys = sorted(set(a) & set(b))
+    summary = {"n": len(keys), "base": base_row, "other": other_row,
+               "other_minus_base": bootstrap_ci([100.0 * (b[k]["score"] - a[k]["score"]) for k in keys])}
+    for name, got in (("base", a), ("other", b)):
+        mine = [got[k] for k in keys]
+        summary[name + "_row"] = {"score": bootstrap_ci([100.0 * r["score"] for r in mine]), **refill_split(mine),
+                                  "kv_percent": 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in mine) / len(mine)}
+        hit = [k for k in keys if (got[k].get("refill_coverage") or 0) >= 1.0 and k in full]
+        if full and hit:
+            summary[name + "_row"]["full_when_refilled"] = bootstrap_ci([100.0 * full[k]["score"] for k in hit])
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article here)")

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scorer"))
 
 import run as scorer_study  # noqa: E402
-from run import BASE, EVAL_SEEDS, REPO, log  # noqa: E402
+from run import EVAL_SEEDS, REPO, log  # noqa: E402
 
 RECIPE = REPO / "recipes/qwen2.5-0.5b/stage2-sim.yaml"
 STAGE1 = REPO / "docs/real-base/adapters/stage1-lora-step120.safetensors"
@@ -84,33 +84,6 @@ def plain_setting(root: Path, length: int, task: str) -> str:
             f"keep_sinks={int(s['keep_sinks'])}:neighbors={int(chosen['neighbors'])}")
 
 
-def paired(plain: Path, sim: Path, sim_row: str) -> dict:
-    """Per-question difference (sim - plain) of the calibrated ACRE rows, and each row's split."""
-    from acre_train.eval.metrics import bootstrap_ci, refill_split
-
-    def rows(folder: Path, method: str) -> dict[tuple[str, int], dict]:
-        out, seen = {}, {}
-        for line in (folder / "predictions.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if r["method"] == method:
-                n = seen[r["id"]] = seen.get(r["id"], -1) + 1  # ids repeat per context: pair by occurrence
-                out[(r["id"], n)] = r
-        return out
-
-    a, b = rows(plain, "acre"), rows(sim, sim_row)
-    keys = sorted(set(a) & set(b))
-    diff = bootstrap_ci([100.0 * (b[k]["score"] - a[k]["score"]) for k in keys])
-    full = rows(plain, "full") if any('"method": "full"' in x for x in (plain / "predictions.jsonl").open()) else {}
-    summary = {"n": len(keys), "sim_minus_plain": diff}
-    for name, got in (("plain", a), ("sim", b)):
-        mine = [got[k] for k in keys]
-        summary[name] = {"score": bootstrap_ci([100.0 * r["score"] for r in mine]), **refill_split(mine)}
-        if full:  # full attention on the questions this row refilled / missed
-            hit = [k for k in keys if got[k].get("refill_coverage") is not None and got[k]["refill_coverage"] >= 1.0]
-            summary[name]["full_when_refilled"] = bootstrap_ci([100.0 * full[k]["score"] for k in hit]) if hit else None
-    return summary
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article)")
@@ -139,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         docs.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(docs, ignore_errors=True)
         shutil.copytree(out, docs)
-        comparison = paired(plain, out, row)
+        comparison = scorer_study.paired(plain, "acre", out, row)
         (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
         log(f"cell {spec}: {json.dumps(comparison)}")
     return 0
