@@ -113,6 +113,38 @@ def disk_errors(what: str) -> Iterator[None]:
         raise
 
 
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A hidden temporary path beside ``path`` to write the file to; renamed to ``path`` when the block
+    ends, removed if it raises. A reader sees the old file or the new one, never half of it; a full disk
+    is a :class:`DiskFullError` naming ``path``. The one way every writer of a single file finishes it.
+
+    >>> with atomic_path("answers.jsonl") as tmp:  # doctest: +SKIP
+    ...     tmp.write_text("...")
+    """
+    import os
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        with disk_errors(str(path)):
+            yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the file is an ordinary output
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through :func:`atomic_path`."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
 def publish_dir(tmp: Path, final: Path) -> None:
     """Put the finished folder ``tmp`` at ``final``: the old one is renamed aside, the new one renamed in,
     then the old one is deleted. A kill at any moment leaves either the old or the new folder complete

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from acre_train.eval import engine
 from acre_train.eval.methods import GenerationConfig, parse_method
 from acre_train.eval.methods.cachefocus import cachefocus_answer, cachefocus_prepare, pruning_schedule
-from acre_train.eval.methods.infoflow import chunkwise_prepare, infoflow_answer, num_selected
+from acre_train.eval.methods.infoflow import chunkwise_prepare, infoflow_answer, num_recomputed
 from acre_train.eval.prompt import PreparedExample
 from acre_train.eval.tasks import Example
 
@@ -208,7 +208,7 @@ def test_infoflow_selects_top_r_of_brute_force_attention_norm(model4):
     p, n = len(prep.prefix_ids), prep.context_len
     brute = probs[:, :, p:p + n].pow(2).sum(dim=(0, 1)).sqrt()  # L2 over heads x question tokens
     assert torch.allclose(r.token_scores.float(), brute, atol=1e-6)
-    m = num_selected(ratio, n)
+    m = num_recomputed(ratio, n)
     want = sorted((torch.argsort(brute, descending=True)[:m] + p).tolist())
     assert r.selected == want and len(want) == round(ratio * n)
 
@@ -231,7 +231,7 @@ def test_cacheblend_partial_recompute_costs(model4):
     parts = engine.model_parts(model4)
     r = infoflow_answer(parts, prep, chunkwise_prepare(parts, prep), selector="cacheblend", ratio=0.25,
                         blend_layer=1)
-    m = num_selected(0.25, 40)
+    m = num_recomputed(0.25, 40)
     assert len(r.selected) == m
     # all 40 context rows in layers 0-1, then m rows in layers 2-3
     assert r.costs["recomputed"] == 40 * 2 + m * 2

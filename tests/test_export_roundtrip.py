@@ -159,17 +159,21 @@ def test_generate_and_chat_commands_answer_from_an_export(exports, tmp_path, cap
     printed = capsys.readouterr().out
     assert printed.count("refilled") == 2 and (tmp_path / "c.safetensors").is_file()
 
-    # The saved cache is reused only with the context it holds; flipped bytes are refused.
+    # The saved cache is reused only with the context it holds; flipped bytes are refused (one-line
+    # errors, exit 2: the CLI's policy, errors.user_errors, as cli.main applies it).
+    from acre_train.errors import user_errors
+
+    chat = user_errors(run_chat, verb="chat")
     (tmp_path / "other.txt").write_text("Another text entirely. " * 6)
     for ctx, code in (("ctx.txt", 0), ("other.txt", 2), ("missing.txt", 2)):
         argv = ["chat", str(full), "--context", str(tmp_path / ctx), "--load-cache", str(tmp_path / "c.safetensors")]
-        assert run_chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("\n")) == code, ctx
+        assert chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("\n")) == code, ctx
     assert "holds another context" in capsys.readouterr().err
     raw = bytearray((tmp_path / "c.safetensors").read_bytes())
     raw[-7] ^= 0xFF  # a flipped byte inside the tensor data
     (tmp_path / "c.safetensors").write_bytes(bytes(raw))
     argv = ["chat", str(full), "--context", str(tmp_path / "ctx.txt"), "--load-cache", str(tmp_path / "c.safetensors")]
-    assert run_chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("\n")) == 2
+    assert chat(build_parser_for(argv).parse_args(argv), stdin=io.StringIO("\n")) == 2
     assert "checksum" in capsys.readouterr().err
 
 

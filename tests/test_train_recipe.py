@@ -118,10 +118,10 @@ def test_lora_settings_are_bounded_and_never_silently_ignored(capsys):
     assert cli.main(["validate", str(TINY), "model.lora.rank=16", "model.lora.alpha=32"]) == 0  # the defaults
 
 
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))  # every packaged recipe, the CPU-sized real-base ones too
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
 def test_every_recipe_parses_and_starts_with_its_launch_command(path):
     recipe = load_recipe(path)
     head = path.read_text().splitlines()

@@ -89,15 +89,26 @@ class PromptFormat:
         return self.encode(self.split(question)[1])
 
     def stop_ids(self, config: Any) -> set[int]:
-        """EOS ids of the model and tokenizer, plus the chat template's end-of-turn token if known."""
-        ids: set[int] = set()
+        """Where an answer ends: :func:`stop_token_ids` of this tokenizer and ``config``."""
+        return stop_token_ids(self.tokenizer, config)
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>")  # ChatML (Qwen) and Llama 3 chat templates
+
+
+def stop_token_ids(tokenizer: Any, *configs: Any) -> set[int]:
+    """The token ids a generated answer stops at, the one definition every decoder uses (chat, generate,
+    eval): the EOS ids of the tokenizer and of each config given (a model config, a generation config),
+    plus the chat template's end-of-turn token when the vocabulary has one."""
+    ids: set[int] = set()
+    for config in configs:
         eos = getattr(config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if self.tokenizer is not None:
-            if self.tokenizer.eos_token_id is not None:
-                ids.add(int(self.tokenizer.eos_token_id))
-            for token in ("<|im_end|>", "<|eot_id|>"):
-                tid = self.tokenizer.convert_tokens_to_ids(token)
-                if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
-                    ids.add(tid)
-        return ids
+        ids.update(int(x) for x in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        for token in END_OF_TURN:
+            tid = tokenizer.convert_tokens_to_ids(token) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+            if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None) and tid >= 0:
+                ids.add(tid)
+    return ids

@@ -220,10 +220,8 @@ def split_articles(path: str | Path) -> tuple[list[int], list[int]]:
 def subset_squad(path: str | Path, indices: list[int], out: str | Path) -> Path:
     """A SQuAD JSON holding only the given articles (same layout)."""
     data = squad_articles(path)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from ..files import write_text_atomic
+
     body = {"version": "subset", "source": str(path), "articles": indices, "data": [data[i] for i in indices]}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body), encoding="utf-8")
-    tmp.replace(out)
-    return out
+    write_text_atomic(out, json.dumps(body))
+    return Path(out)

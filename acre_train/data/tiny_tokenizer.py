@@ -9,8 +9,6 @@ masks every EOS label) and a ChatML chat template, like Qwen2.5's.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,12 +60,10 @@ def _train(vocab_size: int, texts: list[str], path: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename: concurrent test workers never read a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    tok.save(tmp)
-    os.replace(tmp, path)
+    from ..files import atomic_path
+
+    with atomic_path(path) as tmp:  # concurrent test workers never read a half-written file
+        tok.save(str(tmp))
 
 
 @lru_cache(maxsize=8)

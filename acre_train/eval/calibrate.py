@@ -141,7 +141,7 @@ def markdown(rows: list[dict[str, Any]], top: int = 15) -> str:
 
 def write_choice(export: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """Store the best setting in ``export/config.json`` and the table beside it (each file atomically)."""
-    from ..train.checkpoint import write_text_atomic
+    from ..files import write_text_atomic
 
     best = rows[0]
     config_path = export / "config.json"

@@ -55,15 +55,10 @@ class EvalReport:
 
 
 def stop_ids(model, tokenizer) -> set[int]:
-    """EOS ids from the tokenizer and the model's generation config."""
-    ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None),
-                                                                  "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return ids
+    """Where every row's answers end (the same ids as chat/generate: data.prompt.stop_token_ids)."""
+    from ..data.prompt import stop_token_ids
+
+    return stop_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
 
 
 def _device(model) -> torch.device:

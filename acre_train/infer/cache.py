@@ -19,7 +19,6 @@ Layout (batch size 1, every tensor per layer stacked on dim 0):
 from __future__ import annotations
 
 import hashlib
-import os
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,16 +141,10 @@ class BiLayerCache:
         meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
                 "carry": self.carry, "num_context_tokens": self.num_context_tokens,
                 "context_digest": self.context_digest, "checksum": tensors_digest(tensors)}
-        from ..files import disk_errors
+        from ..files import atomic_path
 
-        tmp = path.with_name(f".{path.name}.partial")
-        try:
-            with disk_errors(f"the cache {path}"):
-                save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, path)  # a half-written cache never carries the final name
+        with atomic_path(path) as tmp:  # a half-written cache never carries the final name
+            save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
         return path
 
     @classmethod

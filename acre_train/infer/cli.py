@@ -139,13 +139,10 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = make_engine(args)
     caches: dict[str, Any] = {}  # context hash -> cache; rows sharing a context reuse its cache
     count = 0
-    final = Path(args.output)
-    tmp = final.with_name(f".{final.name}.partial")
-    try:
+    from ..files import atomic_path
+
+    with atomic_path(args.output) as tmp:  # an earlier output is replaced only by a complete new one
         count = _answer_rows(args, engine, rows, caches, tmp)
-        tmp.replace(final)  # an earlier output is replaced only by a complete new one
-    finally:
-        tmp.unlink(missing_ok=True)
     print(f"wrote {count} answers to {args.output}")
     return 0
 

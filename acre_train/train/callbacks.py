@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import write_text_atomic
+from ..files import write_text_atomic
 
 
 def _open_from(path: Path, start_step: int, resumed_line: dict[str, Any] | None = None):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..files import DiskFullError, disk_errors, read_safetensors
+from ..files import DiskFullError, disk_errors, read_safetensors, write_text_atomic
 
 FORMAT_VERSION = 1
 META = "acre_checkpoint.json"
@@ -211,13 +211,6 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader sees the old file or the new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------- loading

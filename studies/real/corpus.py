@@ -25,6 +25,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from acre_train.files import write_text_atomic
+
 from .streams import STAGE2_SEED, split_articles, squad_articles, stage2_conversations, write_jsonl
 
 STAGE1_TOKENS = 1_000_000
@@ -103,7 +105,5 @@ def write_corpus(tokenizer: Any, squad_path: str | Path, squad_train: str | Path
     manifest = {"stage1": stage1_corpus(tokenizer, squad_path, folder / "stage1-corpus.jsonl", min_tokens=tokens),
                 "stage2": stage2_large(tokenizer, squad_train, folder / "stage2-large.jsonl", num=conversations,
                                        lengths=lengths)}
-    tmp = folder / "corpus-manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(folder / "corpus-manifest.json")
+    write_text_atomic(folder / "corpus-manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -68,11 +68,9 @@ def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: 
 
 
 def write_jsonl(rows: list[dict[str, Any]], out: str | Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    from acre_train.files import atomic_path
+
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(out)
-    return out
+    return Path(out)

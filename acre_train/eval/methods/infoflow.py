@@ -4,7 +4,7 @@
    every document/chunk alone at *chunk-local* positions ``0..len-1`` (no prefix, no other chunk).
 2. Re-rotation: chunks are laid out after the prefix (original order, or reordered, see 4) and
    their keys moved to global positions with ``Rope.reposition``.
-3. Selection of context tokens to recompute, ``num_selected(ratio, N)`` of the ``N`` context tokens:
+3. Selection of context tokens to recompute, ``num_recomputed(ratio, N)`` of the ``N`` context tokens:
    - ``attention`` (InfoFlow): the question runs over the re-rotated cache up to the last layer of
      the band; at each band layer the softmax attention of every question token and head to every
      key is taken (columns over prefix + context + question, masked causally); a context token's
@@ -45,7 +45,7 @@ def default_band(num_layers: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
-def num_selected(ratio: float, n: int) -> int:
+def num_recomputed(ratio: float, n: int) -> int:
     """Tokens recomputed for a ratio: ``round(ratio * n)`` (half up), within ``[0, n]``."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
@@ -147,7 +147,7 @@ def infoflow_answer(parts: engine.ModelParts, example: PreparedExample, state: C
     # ids / owners of the context in layout order; index i <-> global position p + i
     layout_ids = tensor([t for d in order for t in example.doc_ids[d]], dev)
     layout_own = torch.cat([owners(d, lens[d], dev) for d in order])
-    m = num_selected(ratio, n)
+    m = num_recomputed(ratio, n)
     if selector == "attention":
         assert token_scores is not None
         scores_in_layout = torch.cat([token_scores[sum(lens[:d]): sum(lens[:d]) + lens[d]] for d in order])
