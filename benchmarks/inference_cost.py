@@ -57,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per run (default: torch's); 1 is steadier on a machine shared with other jobs")
     p.add_argument("--no-full", action="store_true", help="skip the full-context baseline")
+    p.add_argument("--no-acre", action="store_true", help="skip ACRE (e.g. to compare full attention's caches)")
     p.add_argument("--close-tail", action="store_true",
                    help="also ACRE with the raw tail closed into the cache at build time (a question runs only its own tokens)")
+    p.add_argument("--full-cache", choices=["growing", "dynamic"], default="growing",
+                   help="full attention's cache: growing (in place, its floor) or transformers' DynamicCache "
+                        "(grows by concatenation: copies the whole cache every decoding step)")
     p.add_argument("--json", default=None, help="also write all figures to this file")
     p.add_argument("--_child", nargs=2, metavar=("METHOD", "SIZE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -120,13 +124,56 @@ def run_acre(args, size: int, close_tail: bool = False) -> dict:
             "cache_length": a.cache_length, **{k: v for k, v in a.timings.items()}}
 
 
+def machine_rates(device: str) -> dict[str, float]:
+    """This machine's fp32 matmul rate (GFLOP/s, a 2048-square product) and memory read bandwidth (GB/s,
+    a sum over 256 MiB: decoding reads the weights and the KV, it writes little), measured now, best of
+    five: the rates a floor is computed at."""
+    import torch
+
+    a = torch.randn(2048, 2048, device=device)
+    big = torch.ones(64 * 2**20, device=device)  # 256 MiB, touched once so no page fault is timed
+    flops, read = [], []
+    for _ in range(5):
+        tic = time.perf_counter()
+        a @ a
+        flops.append(2 * 2048**3 / (time.perf_counter() - tic) / 1e9)
+        tic = time.perf_counter()
+        big.sum()
+        read.append(big.numel() * 4 / (time.perf_counter() - tic) / 1e9)
+    return {"gflops": max(flops), "gbps": max(read)}
+
+
+def full_floor(model, context: int, question: int, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
+    """The least a question can cost full attention on this machine: its prefill at the matmul rate
+    (weights' FLOPs per token, attention over context + question, one LM-head row) or the time to read
+    the weights once, whichever is longer; then each decoding step reads the weights and the whole KV."""
+    cfg = model.config
+    layers, heads, kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = model.model.layers[0].self_attn.head_dim
+    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and ".acre_" not in n)
+    head = model.lm_head.weight.numel()
+    attention = 4 * layers * heads * head_dim * question * (context + question)
+    prefill_flops = 2 * body * question + attention + 2 * head
+    weight_bytes = 4 * (body + head)
+    kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (context + question)
+    prefill = max(prefill_flops / (rates["gflops"] * 1e9), weight_bytes / (rates["gbps"] * 1e9))
+    step = (weight_bytes + kv_bytes) / (rates["gbps"] * 1e9)
+    return {"floor_prefill_s": prefill, "floor_decode_s": (new_tokens - 1) * step,
+            "floor_question_s": prefill + (new_tokens - 1) * step}
+
+
 def run_full(args, size: int) -> dict:
     import torch
 
+    from acre_train.infer.growing_cache import GrowingCache
     from acre_train.measure import PeakMemory
 
     model = _model(args)
     device = args.device
+    rates = machine_rates(device)
+
+    def new_cache(n: int):
+        return GrowingCache(capacity=n + args.question_tokens + args.new_tokens) if args.full_cache == "growing" else None
 
     def ask(cache, question: list[int]) -> dict[str, float]:
         """Greedy answer over the reused cache; the first forward is the question prefill, the rest decoding."""
@@ -134,13 +181,14 @@ def run_full(args, size: int) -> dict:
         split = {"prefill_s": 0.0, "decode_s": 0.0}
         for step in range(args.new_tokens):
             tic = time.perf_counter()
-            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
             split["prefill_s" if step == 0 else "decode_s"] += time.perf_counter() - tic
         return split
 
     with torch.no_grad():
-        warm = model(torch.tensor([_tokens(512, 0)], device=device), use_cache=True, logits_to_keep=1).past_key_values
+        warm = model(torch.tensor([_tokens(512, 0)], device=device), cache=new_cache(512), use_cache=True,
+                     logits_to_keep=1).cache
         ask(warm, _tokens(8, 1))
         del warm
         builds, latencies, splits = [], [], []
@@ -148,7 +196,8 @@ def run_full(args, size: int) -> dict:
             for _ in range(args.repeats):
                 cache = None  # free the previous cache before building the next one
                 tic = time.perf_counter()
-                cache = model(torch.tensor([_tokens(size, 2)], device=device), use_cache=True, logits_to_keep=1).past_key_values
+                cache = model(torch.tensor([_tokens(size, 2)], device=device), cache=new_cache(size), use_cache=True,
+                              logits_to_keep=1).cache
                 builds.append(time.perf_counter() - tic)
                 for q in range(-1, args.questions):  # q = -1: untimed first question, as for ACRE
                     tic = time.perf_counter()
@@ -160,6 +209,7 @@ def run_full(args, size: int) -> dict:
     kv = _kv_mib(model, size)
     return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
             "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size,
+            "cache": args.full_cache, **rates, **full_floor(model, size, args.question_tokens, args.new_tokens, rates),
             **{key: statistics.median(s[key] for s in splits) for key in ("prefill_s", "decode_s")}}
 
 
@@ -204,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens each; fastest of {args.repeats} builds, median question\n")
     rows = []
     for size in args.sizes:
-        acre = measure(args, "acre", size)
+        acre = {"error": "skipped"} if args.no_acre else measure(args, "acre", size)
         closed = measure(args, "acre-closed", size) if args.close_tail else None
         full = {"error": "skipped"} if args.no_full else measure(args, "full", size)
         rows.append({"size": size, "acre": acre, "full": full, **({"acre_closed_tail": closed} if closed else {})})
@@ -233,6 +283,12 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
         print(f"        per question: {split} s")
     print(f"  full / ACRE: build {ratio('build_s')}, per question {ratio('question_s')}, peak memory {ratio('peak_mib')}, "
           f"device KV {ratio('device_kv_mib')}, attended cache {ratio('working_cache_mib')}")
+    if "floor_question_s" in full:
+        print(f"  full's floor ({full['cache']} cache; matmul {full['gflops']:.0f} GFLOP/s, read {full['gbps']:.1f} GB/s "
+              f"measured now): question {full['floor_question_s']:.3f}s = prefill {full['floor_prefill_s']:.3f} + decode "
+              f"{full['floor_decode_s']:.3f}; measured {full['question_s']:.3f}s = {full['question_s'] / full['floor_question_s']:.2f}x "
+              f"the floor (prefill {full['prefill_s'] / full['floor_prefill_s']:.2f}x, decode "
+              f"{full['decode_s'] / max(full['floor_decode_s'], 1e-9):.2f}x)")
     if closed and "error" not in closed and "error" not in acre:
         print(f"  closed tail: per question {closed['question_s']:.3f}s vs {acre['question_s']:.3f}s open "
               f"({acre['question_s'] / closed['question_s']:.2f}x faster), build {closed['build_s']:.2f}s")

@@ -1,7 +1,8 @@
 """``full`` and ``truncated``: the plain model on the (possibly shortened) concatenated prompt.
 
-Both run the library's own forward with its ``DynamicCache``: they are the reference the
-cache-editing methods are compared against.
+Both run the library's own forward, with a cache that grows in place (``infer.growing_cache``: the
+keys and values of transformers' ``DynamicCache`` without its per-step copy of the whole cache): they
+are the reference the cache-editing methods are compared against, at their floor.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from ...infer.decode import decode
+from ...infer.growing_cache import GrowingCache
 from ...measure import Timer
 from ..prompt import PreparedExample
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
@@ -41,8 +42,8 @@ def middle_keep(n: int, budget: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
-              cache: DynamicCache | None = None) -> tuple[str, list[int], torch.Tensor, float]:
-    """Library forward + greedy decoding with a DynamicCache: (text, ids, first logits, ttft seconds).
+              cache: GrowingCache | None = None) -> tuple[str, list[int], torch.Tensor, float]:
+    """Library forward + greedy decoding over a growing cache: (text, ids, first logits, ttft seconds).
 
     ``cache``: an already filled cache (a shared context) that ``ids`` continue; it grows by the
     question and the answer (the caller crops it back).
@@ -50,7 +51,7 @@ def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
     device = model.lm_head.weight.device
     timer = Timer(device)
     x = torch.tensor([ids], device=device)
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = GrowingCache(capacity=len(ids) + generation.max_new_tokens) if cache is None else cache
     out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]
     ttft = timer.elapsed()
@@ -64,7 +65,7 @@ def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
 
 
 def _result(model, tokenizer, example: PreparedExample, keep: list[tuple[int, int]],
-            generation: GenerationConfig, context: tuple[DynamicCache, int] | None = None) -> MethodResult:
+            generation: GenerationConfig, context: tuple[GrowingCache, int] | None = None) -> MethodResult:
     prompt = example.prompt_ids()
     ids = [t for a, b in keep for t in prompt[a:b]]
     if context is not None:  # the whole context is cached already: only the question is new
@@ -80,6 +81,9 @@ def _result(model, tokenizer, example: PreparedExample, keep: list[tuple[int, in
     cost = CostRecord(tokens_prefilled=len(ids), token_layers_computed=len(ids) * cfg.num_hidden_layers,
                       kv_attended=float(len(ids)), kv_bytes=kv_bytes, ttft_s=ttft)
     return MethodResult(text, gen, cost, kept_docs=_kept_docs(_doc_spans(example), keep), first_logits=first)
+
+
+QUESTION_ROOM = 1024  # tokens a shared context's cache keeps free for a question and its answer (it grows past)
 
 
 @dataclass
@@ -98,7 +102,7 @@ class Full(EvalMethod):
         n = len(example.prefix_ids) + example.context_len
         if n >= self.limit(model):
             return None  # the middle cut depends on the question's length: per question
-        cache = DynamicCache(config=model.config)
+        cache = GrowingCache(capacity=n + QUESTION_ROOM)
         context = torch.tensor([[*example.prefix_ids, *(t for d in example.doc_ids for t in d)]],
                                device=model.lm_head.weight.device)
         model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
