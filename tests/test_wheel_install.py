@@ -18,7 +18,16 @@ def test_the_wheel_runs_the_quickstart_from_another_folder(tmp_path):
     wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+    # Built from a copy of the package's own files: a stale build/ of the checkout (setuptools reuses it)
+    # would put removed modules into the wheel.
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "acre_train", src / "acre_train", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
                    check=True, cwd=tmp_path)
     (wheel,) = wheels.glob("acre_train-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, cwd=tmp_path)
