@@ -114,21 +114,49 @@ def attention_scores(parts: engine.ModelParts, store: engine.KVStore, example: P
     return acc.sqrt(), s, res.token_layers
 
 
+def _checked(selector: str, reorder: bool, band: list[int] | None, blend_layer: int, num_layers: int) -> list[int]:
+    """The options of one InfoFlow-family answer, checked; returns the scoring band."""
+    if selector not in SELECTORS:
+        raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}")
+    if reorder and selector != "attention":
+        raise ValueError("reorder needs the attention selector (it orders chunks by attention score)")
+    band = default_band(num_layers) if band is None else list(band)
+    if not band or any(not 0 <= b < num_layers for b in band):
+        raise ValueError(f"band {band} must be non-empty layer indices in [0, {num_layers})")
+    if selector == "cacheblend" and not 0 <= blend_layer < num_layers:
+        raise ValueError(f"blend_layer {blend_layer} outside [0, {num_layers})")
+    return band
+
+
+def _chosen_rows(selector: str, token_scores: torch.Tensor | None, order: list[int], lens: list[int], ratio: float,
+                 m: int, n: int, dev: torch.device) -> torch.Tensor:
+    """Context rows (in layout order) each selector recomputes, sorted: ``attention`` the top ``m`` by
+    score, ``epic`` the first ``ceil(ratio * len)`` of each chunk, ``cacheblend`` all of them up to its
+    blend layer (where it keeps the ``m`` that deviate most), ``none`` nothing."""
+    if selector == "attention":
+        assert token_scores is not None
+        in_layout = torch.cat([token_scores[sum(lens[:d]): sum(lens[:d]) + lens[d]] for d in order])
+        chosen = torch.topk(in_layout, m).indices if m else torch.zeros(0, dtype=torch.long, device=dev)
+    elif selector == "epic":
+        rows, off = [], 0
+        for d in order:
+            rows.extend(range(off, off + min(lens[d], math.ceil(ratio * lens[d]))))
+            off += lens[d]
+        chosen = torch.tensor(rows, dtype=torch.long, device=dev)
+    elif selector == "cacheblend":
+        chosen = torch.arange(n, device=dev)
+    else:
+        chosen = torch.zeros(0, dtype=torch.long, device=dev)
+    return torch.sort(chosen).values
+
+
 @torch.no_grad()
 def infoflow_answer(parts: engine.ModelParts, example: PreparedExample, state: ChunkState, *,
                     selector: str = "attention", ratio: float = 0.15, band: list[int] | None = None,
                     reorder: bool = False, blend_layer: int = 1) -> InfoFlowResult:
     """Steps 2–5 of the module docstring for one question."""
-    if selector not in SELECTORS:
-        raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}")
-    if reorder and selector != "attention":
-        raise ValueError("reorder needs the attention selector (it orders chunks by attention score)")
     L, dev = parts.num_layers, parts.device
-    band = default_band(L) if band is None else list(band)
-    if not band or any(not 0 <= b < L for b in band):
-        raise ValueError(f"band {band} must be non-empty layer indices in [0, {L})")
-    if selector == "cacheblend" and not 0 <= blend_layer < L:
-        raise ValueError(f"blend_layer {blend_layer} outside [0, {L})")
+    band = _checked(selector, reorder, band, blend_layer, L)
     p, n, s, k = len(example.prefix_ids), example.context_len, len(example.suffix_ids), example.num_docs
     order = list(range(k))
     store, q_start = layout(parts, state, order)
@@ -148,21 +176,7 @@ def infoflow_answer(parts: engine.ModelParts, example: PreparedExample, state: C
     layout_ids = tensor([t for d in order for t in example.doc_ids[d]], dev)
     layout_own = torch.cat([owners(d, lens[d], dev) for d in order])
     m = num_recomputed(ratio, n)
-    if selector == "attention":
-        assert token_scores is not None
-        scores_in_layout = torch.cat([token_scores[sum(lens[:d]): sum(lens[:d]) + lens[d]] for d in order])
-        chosen = torch.topk(scores_in_layout, m).indices if m else torch.zeros(0, dtype=torch.long, device=dev)
-    elif selector == "epic":
-        chosen, off = [], 0
-        for d in order:
-            chosen.extend(range(off, off + min(lens[d], math.ceil(ratio * lens[d]))))
-            off += lens[d]
-        chosen = torch.tensor(chosen, dtype=torch.long, device=dev)
-    elif selector == "cacheblend":
-        chosen = torch.arange(n, device=dev)  # all context rows up to blend_layer
-    else:
-        chosen = torch.zeros(0, dtype=torch.long, device=dev)
-    chosen = torch.sort(chosen).values
+    chosen = _chosen_rows(selector, token_scores, order, lens, ratio, m, n, dev)
     blend: dict[str, torch.Tensor] = {}
 
     def on_layer(ev: engine.LayerEvent) -> engine.LayerControl | None:
