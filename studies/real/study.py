@@ -3,6 +3,7 @@
 Steps (each skipped when its output exists, so the command continues where it stopped):
 
 * ``streams``  training inputs split from the evaluation by SQuAD article (``streams.py``);
+* ``corpus``   the larger training data: >= 1M stage-1 tokens, 1,200 stage-2 conversations (``corpus.py``);
 * ``stage1``, ``stage2``  ``acre-train train recipes/qwen2.5-0.5b/stageN.yaml`` with resume=latest;
 * ``stage2-refill``  stage 2 again from stage 1, same data and steps, plus the refill loss
                      (``recipes/qwen2.5-0.5b/stage2-refill.yaml``, ``train/refill_loss.py``, weight 1);
@@ -11,6 +12,8 @@ Steps (each skipped when its output exists, so the command continues where it st
                      (``model.l1=full``, the paper's lr 5e-5), same data, steps and order;
 * ``stage1-long``, ``stage2-long``  the LoRA runs with 4x / 6x the steps (120 each: ~1.5 h and ~0.7 h
                      on 2 cores, as measured; ~3 and ~2.5 epochs of the same data);
+* ``stage2-sim-long``  stage2-long again (same start, data, order, lr, steps) in the refilled layout
+                     (``recipes/qwen2.5-0.5b/stage2-sim.yaml``, ``train/refill_sim.py``);
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -75,6 +78,10 @@ RUNS: dict[str, Run] = {
                        ("train.max_steps=120",)),
     "stage2-long": Run("qwen2.5-0.5b-stage2-lora-120", "stage2", _acre("stage 1+2 (120 + 120 steps)"),
                        ("train.max_steps=120",), start="stage1-long"),
+    # The training issue's row: stage2-long's data, order, seed, lr and steps, in the refilled layout.
+    "stage2-sim-long": Run("qwen2.5-0.5b-stage2-sim-lora-120", "stage2-sim",
+                           _acre("stage 1+2 refill-simulated (120 + 120 steps)"), ("train.max_steps=120",),
+                           start="stage1-long"),
 }
 STEPS = ("streams", "corpus", *RUNS, "export", "eval", "report")
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
@@ -126,6 +133,8 @@ class RealConfig:
                    overrides=(f"model.source={base}", f"data.prepare.tokenizer={base}", "train.max_steps=1",
                               "checkpoint.every_steps=1", "data.prepare.first_chunk=64", "data.prepare.stride=32",
                               "data.prepare.min_length=128", "data.prepare.max_length=256",
+                              "train.refill_sim.interval=8", "train.refill_sim.max_refill=32",
+                              "train.refill_sim.scorer=l2:layers=-1,heads=max",
                               "logging.progress_bar=false"))
 
 
