@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from floors import machine_rates, question_floor  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,42 +127,9 @@ def run_acre(args, size: int, close_tail: bool = False) -> dict:
             "cache_length": a.cache_length, **{k: v for k, v in a.timings.items()}}
 
 
-def machine_rates(device: str) -> dict[str, float]:
-    """This machine's fp32 matmul rate (GFLOP/s, a 2048-square product) and memory read bandwidth (GB/s,
-    a sum over 256 MiB: decoding reads the weights and the KV, it writes little), measured now, best of
-    five: the rates a floor is computed at."""
-    import torch
-
-    a = torch.randn(2048, 2048, device=device)
-    big = torch.ones(64 * 2**20, device=device)  # 256 MiB, touched once so no page fault is timed
-    flops, read = [], []
-    for _ in range(5):
-        tic = time.perf_counter()
-        a @ a
-        flops.append(2 * 2048**3 / (time.perf_counter() - tic) / 1e9)
-        tic = time.perf_counter()
-        big.sum()
-        read.append(big.numel() * 4 / (time.perf_counter() - tic) / 1e9)
-    return {"gflops": max(flops), "gbps": max(read)}
-
-
 def full_floor(model, context: int, question: int, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
-    """The least a question can cost full attention on this machine: its prefill at the matmul rate
-    (weights' FLOPs per token, attention over context + question, one LM-head row) or the time to read
-    the weights once, whichever is longer; then each decoding step reads the weights and the whole KV."""
-    cfg = model.config
-    layers, heads, kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = model.model.layers[0].self_attn.head_dim
-    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and ".acre_" not in n)
-    head = model.lm_head.weight.numel()
-    attention = 4 * layers * heads * head_dim * question * (context + question)
-    prefill_flops = 2 * body * question + attention + 2 * head
-    weight_bytes = 4 * (body + head)
-    kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (context + question)
-    prefill = max(prefill_flops / (rates["gflops"] * 1e9), weight_bytes / (rates["gbps"] * 1e9))
-    step = (weight_bytes + kv_bytes) / (rates["gbps"] * 1e9)
-    return {"floor_prefill_s": prefill, "floor_decode_s": (new_tokens - 1) * step,
-            "floor_question_s": prefill + (new_tokens - 1) * step}
+    """Full attention's floor: the question's rows over context + question, then decoding over them."""
+    return question_floor(model, rows=question, keys=context + question, new_tokens=new_tokens, rates=rates)
 
 
 def run_full(args, size: int) -> dict:

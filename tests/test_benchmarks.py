@@ -48,3 +48,14 @@ def test_inference_cost_runs_small_with_the_closed_tail_beside():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ACRE closed tail" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout
     assert "full's floor (growing cache" in out.stdout
+
+
+def test_methods_cost_runs_small_with_each_methods_floor_beside():
+    methods = "full,truncated,cachefocus,infoflow"
+    out = subprocess.run([sys.executable, "benchmarks/methods_cost.py", "--sizes", "1024", "--methods", methods,
+                          "--layers", "4", "--new-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[1] for r in rows] == methods.split(",")
+    assert all(float(r[-1]) > 0 and float(r[-2]) > 0 for r in rows)  # x floor and the floor itself

@@ -278,3 +278,26 @@ def test_eval_refuses_bad_rows_before_loading_any_model(tmp_path, capsys):
     assert "rows ['acre'] need an ACRE model" in capsys.readouterr().err
     assert main(["eval", "--model", str(folder), "--tasks", "squad", "--methods", "truncated:budget=0"]) == 2
     assert "budget must be a positive" in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_greedy_decode_over_a_store_equals_the_librarys_greedy_generate(model4):
+    """The in-place StoreCache decode gives the tokens transformers' own generate gives (DynamicCache)."""
+    parts = engine.model_parts(model4)
+    ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(len(ids))
+    res = engine.layer_pass(parts, ids, pos, torch.zeros_like(ids), None, block_rows=8)  # blocks on purpose
+    got = engine.greedy_decode(parts, res.store, parts.logits(res.hidden[:, -1]), len(ids), 12, stop_ids=set())
+    want = model4.generate(ids[None], max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert got == want
+    # the store the decode started from is unchanged (the cache copied it once, then wrote its own buffer)
+    assert all(len(layer) == len(ids) for layer in res.store)
+
+
+def test_greedy_decode_refuses_a_store_with_entries_after_the_answer(model4):
+    parts = engine.model_parts(model4)
+    ids = torch.arange(5)
+    res = engine.layer_pass(parts, ids, ids.clone(), torch.zeros_like(ids), None)
+    with pytest.raises(ValueError, match="first answer position 3"):
+        engine.greedy_decode(parts, res.store, parts.logits(res.hidden[:, -1]), 3, 2, stop_ids=set())

@@ -4,8 +4,8 @@ The training-free methods (CacheFocus, InfoFlow, CacheBlend, EPIC) need what a p
 not give: keys cached at one position and attended at another, caches that differ per layer,
 token rows that stop being computed half-way up the stack. This module runs the library's own
 decoder layers (``model.model.layers[i]``) one at a time; the only thing it replaces is the KV
-cache, by a shim whose ``update`` returns *given* past keys/values plus the new ones, and the mask,
-which is built from explicit positions.
+cache, by a :class:`StoreCache` seeded with *given* past keys/values that the layer appends to in
+place, and the mask, which is built from explicit positions.
 
 Order of KV entries does not matter: every entry carries its position, and the mask lets a query
 at position ``p`` attend an entry at ``q`` iff ``q <= p``. RoPE is already in the keys, so an entry
@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
+from ..infer.growing_cache import GrowingLayer
 from ..modeling.rope import Rope
 
 # Owner ids tag KV entries with the segment they came from (>= 0: document / chunk index).
@@ -140,18 +142,28 @@ def model_parts(model: nn.Module) -> ModelParts:
     )
 
 
-class _PastShim:
-    """Stands in for a ``Cache`` for one layer call: returns past + new, remembers the new entries."""
+class StoreCache(Cache):
+    """The transformers ``Cache`` a layer-by-layer pass hands the library's decoder layers.
 
-    def __init__(self, past: LayerKV) -> None:
-        self.past = past
-        self.new_keys: torch.Tensor | None = None
-        self.new_values: torch.Tensor | None = None
+    Layer ``i`` is seeded with the past entries it may attend (:meth:`seed`, one copy into a buffer with
+    ``room`` spare slots); the layer's own ``update`` then writes its new keys and values in place and
+    attends the filled part. So neither a pass over blocks nor a decoding step copies the past again,
+    which a concatenating cache does on every call (the baselines' decoding at its floor).
+    """
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        del layer_idx, args, kwargs
-        self.new_keys, self.new_values = key_states, value_states
-        return (torch.cat([self.past.keys, key_states], dim=2), torch.cat([self.past.values, value_states], dim=2))
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[GrowingLayer() for _ in range(num_layers)])
+
+    def seed(self, index: int, past: LayerKV, room: int) -> None:
+        layer = GrowingLayer(capacity=len(past) + room)
+        layer.lazy_initialization(past.keys, past.values)
+        layer.update(past.keys, past.values)
+        self.layers[index] = layer
+
+    def entries(self, index: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s keys and values from entry ``start`` on (views, no copy)."""
+        layer = self.layers[index]
+        return layer.keys[:, :, start:], layer.values[:, :, start:]
 
 
 def position_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -276,9 +288,9 @@ def layer_pass(
             out_store.append(layer_past)
             continue
         h_in = h
-        h, new = _run_layer(parts, i, h_in, positions, owners, cos, sin, layer_past, block_rows)
+        h, new, whole = _run_layer(parts, i, h_in, positions, owners, cos, sin, layer_past, block_rows)
         token_layers += h.shape[1]
-        out_store.append(layer_past.cat(new))
+        out_store.append(whole)
         if on_layer is not None:
             control = on_layer(LayerEvent(i, parts.layers[i], h_in, positions, owners, cos, sin, layer_past, new, parts))
             if control is not None:
@@ -290,21 +302,25 @@ def layer_pass(
 
 
 def _run_layer(parts: ModelParts, i: int, h: torch.Tensor, positions: torch.Tensor, owners: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, past: LayerKV, block_rows: int) -> tuple[torch.Tensor, LayerKV]:
-    """One library decoder layer over sorted rows, in blocks; returns its output and the new entries."""
+               cos: torch.Tensor, sin: torch.Tensor, past: LayerKV,
+               block_rows: int) -> tuple[torch.Tensor, LayerKV, LayerKV]:
+    """One library decoder layer over sorted rows, in blocks; returns its output, the new entries and
+    past + new (views of one :class:`StoreCache` buffer, in which each block attends the past and the
+    blocks before it)."""
+    cache = StoreCache(parts.num_layers)
+    cache.seed(i, past, room=h.shape[1])
+    key_pos = past.positions
     outs: list[torch.Tensor] = []
-    new = LayerKV(past.keys[:, :, :0], past.values[:, :, :0], positions[:0], owners[:0])
     for a in range(0, h.shape[1], block_rows):
         sl = slice(a, a + block_rows)
-        ctx = past.cat(new)
-        shim = _PastShim(ctx)
-        mask = position_mask(positions[sl], torch.cat([ctx.positions, positions[sl]]), h.dtype)
+        key_pos = torch.cat([key_pos, positions[sl]])
         outs.append(parts.layers[i](
-            h[:, sl], attention_mask=mask, position_ids=positions[None, sl], cache=shim, use_cache=True,
-            position_embeddings=(cos[None, sl], sin[None, sl]),
+            h[:, sl], attention_mask=position_mask(positions[sl], key_pos, h.dtype), position_ids=positions[None, sl],
+            cache=cache, use_cache=True, position_embeddings=(cos[None, sl], sin[None, sl]),
         ))
-        new = new.cat(LayerKV(shim.new_keys, shim.new_values, positions[sl], owners[sl]))
-    return torch.cat(outs, dim=1), new
+    new = LayerKV(*cache.entries(i, len(past)), positions, owners)
+    whole = LayerKV(*cache.entries(i), key_pos, torch.cat([past.owners, owners]))
+    return torch.cat(outs, dim=1), new, whole
 
 
 @torch.no_grad()
@@ -316,16 +332,30 @@ def greedy_decode(
     max_new_tokens: int,
     stop_ids: set[int],
 ) -> list[int]:
-    """Greedy decoding over an explicit store; the first token comes from ``first_logits``."""
+    """Greedy decoding over an explicit store; the first token comes from ``first_logits``.
+
+    Each step runs one token through every layer over a :class:`StoreCache` seeded once with the
+    store: the step writes its key and value in place and reads the rest, copying nothing. Every entry
+    of the store must sit before ``next_position`` (so a step attends all of them, with no mask)."""
     from ..infer.decode import decode
 
+    device = parts.device
+    cache = StoreCache(parts.num_layers)
+    for i, layer_kv in enumerate(store):
+        cache.seed(i, layer_kv, room=max_new_tokens)
+    if any(len(layer_kv) and int(layer_kv.positions.max()) >= next_position for layer_kv in store):
+        raise ValueError(f"the store holds entries at or after the first answer position {next_position}")
     pos = next_position
 
     def step(token: int) -> torch.Tensor:
-        nonlocal store, pos
-        res = layer_pass(parts, torch.tensor([token], device=parts.device), torch.tensor([pos], device=parts.device),
-                         torch.tensor([QUERY_OWNER], device=parts.device), store)
-        store, pos = res.store, pos + 1
-        return parts.logits(res.hidden[:, -1])
+        nonlocal pos
+        p = torch.tensor([pos], device=device)
+        h = parts.embed(torch.tensor([[token]], device=device))
+        cos, sin = parts.rope.cos_sin(p, h.dtype)
+        for layer in parts.layers:  # every entry is before the token: no mask
+            h = layer(h, attention_mask=None, position_ids=p[None], cache=cache, use_cache=True,
+                      position_embeddings=(cos[None], sin[None]))
+        pos += 1
+        return parts.logits(h[:, -1])
 
     return decode(first_logits, step, max_new_tokens=max_new_tokens, stop_ids=stop_ids)

@@ -13,7 +13,8 @@ held-out cell with the same inference setting (the plain row's calibrated scorer
 a difference is the L1 weights' alone; questions are paired.
 
 Steps (each skipped when its output exists; training resumes from its latest checkpoint, saved every
-4 steps, so a session that ends mid-run continues in the next):
+4 steps, so a session that ends mid-run continues in the next; on a fresh machine, from the checkpoint
+that ``--keep`` copied to ``studies/training/resume/`` and the session committed, with the same ``--root``):
 
 1. the study's training streams (``acre-train reproduce real --steps streams``) and the stage-1 export;
 2. ``acre-train train recipes/qwen2.5-0.5b/stage2-sim.yaml`` (120 steps, ~50 s each here);
@@ -56,8 +57,42 @@ def inputs(root: Path, squad: Path) -> tuple[Path, Path]:
     return study.streams / "stage2.jsonl", start
 
 
+KEPT = HERE / "resume" / RUN_NAME  # a session's last checkpoint, committed when it ended mid-run
+
+
+def seed_run(run_dir: Path) -> None:
+    """Continue from the committed checkpoint (``KEPT``) when this machine's run is behind it, so a run
+    cut by a session's end resumes on a fresh machine; the run's metrics come with it."""
+    from acre_train.train import latest_checkpoint
+
+    kept = latest_checkpoint(KEPT) if KEPT.is_dir() else None
+    mine = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    step = lambda ckpt: int(ckpt.name.split("-")[-1]) if ckpt else -1  # noqa: E731
+    if kept is None or step(mine) >= step(kept):
+        return
+    log(f"resuming from the committed {kept} (this machine's run is at step {max(step(mine), 0)})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(kept, run_dir / kept.name, dirs_exist_ok=True)
+    shutil.copy2(KEPT / "metrics.jsonl", run_dir / "metrics.jsonl")
+    (run_dir / "latest").write_text(kept.name + "\n")
+
+
+def keep_checkpoint(run_dir: Path) -> None:
+    """Copy the run's latest checkpoint and metrics to ``KEPT`` (commit it when a session ends mid-run)."""
+    from acre_train.train import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    shutil.rmtree(KEPT, ignore_errors=True)
+    KEPT.mkdir(parents=True)
+    shutil.copytree(ckpt, KEPT / ckpt.name)
+    shutil.copy2(run_dir / "metrics.jsonl", KEPT / "metrics.jsonl")
+    (KEPT / "latest").write_text(ckpt.name + "\n")
+    log(f"kept {ckpt.name} in {KEPT}")
+
+
 def train(root: Path, data: Path, start: Path, steps: int) -> Path:
     runs = root / "runs"
+    seed_run(runs / RUN_NAME)
     cmd = ["acre-train", "train", str(RECIPE), f"output_root={runs}", f"run_name={RUN_NAME}",
            f"model.init_from={start}", f"data.path={root / 'data' / 'stage2'}", f"data.prepare.inputs=[{data}]",
            f"train.max_steps={steps}", "checkpoint.every_steps=4", "checkpoint.resume_from_checkpoint=latest",
@@ -75,9 +110,22 @@ def export(root: Path, run_dir: Path) -> Path:
     return out
 
 
-def plain_setting(root: Path, length: int, task: str) -> str:
+def plain_cell(root: Path, length: int, task: str) -> tuple[Path, Path]:
+    """The plain row's calibration and held-out cell: the study root's when it has them, else the copies
+    committed under docs/real-base/scorer (a fresh machine need not rebuild the scorer study to compare)."""
+    calibration = root / "exports" / f"stage2-long-{length}-{task}" / "calibration.json"
+    cell = root / "eval" / str(length) / task
+    committed = REPO / "docs/real-base/scorer" / str(length) / task
+    if not calibration.is_file():
+        calibration = committed / "calibration.json"
+    if not (cell / "predictions.jsonl").is_file():
+        cell = committed
+    return calibration, cell
+
+
+def plain_setting(calibration: Path) -> str:
     """The plain row's calibrated setting for the cell, as an ``acre:`` row of the harness."""
-    chosen = json.loads((root / "exports" / f"stage2-long-{length}-{task}" / "calibration.json").read_text())["rows"][0]
+    chosen = json.loads(calibration.read_text())["rows"][0]
     s = chosen["scorer"]
     layers = "+".join(str(x) for x in s["layers"])
     return (f"acre:scorer={s['kind']}:layers={layers}:heads={s['heads']}:sinks={s['sinks']}:"
@@ -93,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, EVAL_SEEDS)))
     parser.add_argument("--docs", default=str(REPO / "docs/real-base/training"))
     parser.add_argument("--train-only", action="store_true")
+    parser.add_argument("--keep", action="store_true",
+                        help="copy the run's latest checkpoint to studies/training/resume/ and stop (at a session's end)")
     args = parser.parse_args(argv)
     root = Path(args.root)
+    if args.keep:
+        keep_checkpoint(root / "runs" / RUN_NAME)
+        return 0
     data, start = inputs(root, Path(args.squad))
     run_dir = train(root, data, start, args.steps)
     if args.train_only:
@@ -103,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds = tuple(int(x) for x in args.seeds.split(","))
     for spec in args.cells.split(","):
         length, task = int(spec.split("/")[0]), spec.split("/")[1]
-        row = plain_setting(root, length, task)
+        calibration, plain = plain_cell(root, length, task)
+        row = plain_setting(calibration)
         out = root / "eval" / "sim" / str(length) / task
-        scorer_study.evaluate(exported, length, task, root / "squad-heldout.json", out, seeds, rows=row,
+        scorer_study.evaluate(exported, length, task, root / "streams" / "squad-heldout.json", out, seeds, rows=row,
                               adapter=RUN_NAME)
-        plain = root / "eval" / str(length) / task
         docs = Path(args.docs) / str(length) / task
         docs.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(docs, ignore_errors=True)

@@ -1,0 +1,54 @@
+"""The least a question can cost on this machine: the floor every benchmark prints beside its arms.
+
+A floor is computed from the work an arm chooses to do (the rows it runs through the layers, the KV
+entries they attend, the tokens it decodes) at this machine's measured rates, so the ratio
+measured / floor is the arm's implementation overhead alone, not its algorithm:
+
+* prefill: the weights' FLOPs for every row, attention's for every (row, key) pair and one LM-head
+  row, at the fp32 matmul rate; or the time to read the weights once, whichever is longer;
+* each decoding step after the first token: reading the weights and the attended KV once, at the
+  measured read bandwidth.
+
+    rates = machine_rates("cpu")
+    question_floor(model, rows=32, keys=8192 + 32, new_tokens=8, rates=rates)["floor_question_s"]
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def machine_rates(device: str) -> dict[str, float]:
+    """This machine's fp32 matmul rate (GFLOP/s, a 2048-square product) and memory read bandwidth (GB/s,
+    a sum over 256 MiB: decoding reads the weights and the KV, it writes little), measured now, best of
+    five: the rates a floor is computed at."""
+    import torch
+
+    a = torch.randn(2048, 2048, device=device)
+    big = torch.ones(64 * 2**20, device=device)  # 256 MiB, touched once so no page fault is timed
+    flops, read = [], []
+    for _ in range(5):
+        tic = time.perf_counter()
+        a @ a
+        flops.append(2 * 2048**3 / (time.perf_counter() - tic) / 1e9)
+        tic = time.perf_counter()
+        big.sum()
+        read.append(big.numel() * 4 / (time.perf_counter() - tic) / 1e9)
+    return {"gflops": max(flops), "gbps": max(read)}
+
+
+def question_floor(model, *, rows: float, keys: float, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
+    """Floor of answering with ``rows`` token rows through every layer, each attending ``keys`` KV
+    entries (the mean), then ``new_tokens - 1`` decoding steps over ``keys`` entries (fp32 weights)."""
+    cfg = model.config
+    layers, heads, kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = model.model.layers[0].self_attn.head_dim
+    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and ".acre_" not in n)
+    head = model.lm_head.weight.numel()
+    prefill_flops = 2 * body * rows + 4 * layers * heads * head_dim * rows * keys + 2 * head
+    weight_bytes = 4 * (body + head)
+    kv_bytes = 2 * layers * kv_heads * head_dim * 4 * keys
+    prefill = max(prefill_flops / (rates["gflops"] * 1e9), weight_bytes / (rates["gbps"] * 1e9))
+    step = (weight_bytes + kv_bytes) / (rates["gbps"] * 1e9)
+    return {"floor_prefill_s": prefill, "floor_decode_s": (new_tokens - 1) * step,
+            "floor_question_s": prefill + (new_tokens - 1) * step}
