@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             if base is None:
                 base = (ttft, online, max(peak, 1), kv)
             print(f"{size:>8} {m.label():<28} {ttft:>8.3f} {ttft / base[0]:>9.2f} {online / base[1]:>11.2f} "
-                  f"{peak / 2**20:>9.1f} {peak / base[2]:>8.2f} {kv / base[3]:>7.2f} {answer:>9.3f} {floor:>8.3f} "
+                  f"{peak / 2**20:>9.1f} {peak / base[2]:>8.2f} {kv / base[3]:>7.2f} {answer:>9.3g} {floor:>8.3g} "
                   f"{answer / floor:>7.2f}", flush=True)
     return 0
 

@@ -52,8 +52,8 @@ def test_inference_cost_runs_small_with_the_closed_tail_beside():
 
 def test_methods_cost_runs_small_with_each_methods_floor_beside():
     methods = "full,truncated,cachefocus,infoflow"
-    out = subprocess.run([sys.executable, "benchmarks/methods_cost.py", "--sizes", "1024", "--methods", methods,
-                          "--layers", "4", "--new-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "benchmarks/methods_cost.py", "--sizes", "512", "--doc-tokens", "128", "--methods", methods,
+                          "--layers", "4", "--new-tokens", "2"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
