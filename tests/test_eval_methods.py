@@ -287,12 +287,13 @@ def test_greedy_decode_over_a_store_equals_the_librarys_greedy_generate(model4):
     ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(len(ids))
     res = engine.layer_pass(parts, ids, pos, torch.zeros_like(ids), None, block_rows=8)  # blocks on purpose
+    before = [layer.keys.clone() for layer in res.store]
     got = engine.greedy_decode(parts, res.store, parts.logits(res.hidden[:, -1]), len(ids), 12, stop_ids=set())
     want = model4.generate(ids[None], max_new_tokens=12, do_sample=False, min_new_tokens=12,
                            pad_token_id=0)[0, len(ids):].tolist()
     assert got == want
     # the store the decode started from is unchanged (the cache copied it once, then wrote its own buffer)
-    assert all(len(layer) == len(ids) for layer in res.store)
+    assert all(torch.equal(layer.keys, kept) for layer, kept in zip(res.store, before))
 
 
 def test_greedy_decode_refuses_a_store_with_entries_after_the_answer(model4):
