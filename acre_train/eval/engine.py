@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 
 from ..infer.growing_cache import GrowingLayer
 from ..modeling.rope import Rope
+from ..modeling.sdpa import grouped_kv_sdpa
 
 # Owner ids tag KV entries with the segment they came from (>= 0: document / chunk index).
 PREFIX_OWNER = -1
@@ -314,10 +315,11 @@ def _run_layer(parts: ModelParts, i: int, h: torch.Tensor, positions: torch.Tens
     for a in range(0, h.shape[1], block_rows):
         sl = slice(a, a + block_rows)
         key_pos = torch.cat([key_pos, positions[sl]])
-        outs.append(parts.layers[i](
-            h[:, sl], attention_mask=position_mask(positions[sl], key_pos, h.dtype), position_ids=positions[None, sl],
-            cache=cache, use_cache=True, position_embeddings=(cos[None, sl], sin[None, sl]),
-        ))
+        with grouped_kv_sdpa(parts.device):  # masked attention over the store without KV-head copies
+            outs.append(parts.layers[i](
+                h[:, sl], attention_mask=position_mask(positions[sl], key_pos, h.dtype), position_ids=positions[None, sl],
+                cache=cache, use_cache=True, position_embeddings=(cos[None, sl], sin[None, sl]),
+            ))
     new = LayerKV(*cache.entries(i, len(past)), positions, owners)
     whole = LayerKV(*cache.entries(i), key_pos, torch.cat([past.owners, owners]))
     return torch.cat(outs, dim=1), new, whole

@@ -22,6 +22,7 @@ from ..data.prompt import PromptFormat
 from .decode import decode
 from .refill import assemble, num_selected
 from ..modeling.rope import Rope
+from ..modeling.sdpa import grouped_kv_sdpa
 from .scorers import QuestionQueries, ScorerSettings, forced_spans, rank_spans, select_spans
 from .settings import CacheSettings, RefillSettings
 
@@ -286,7 +287,7 @@ class AcreEngine:
         n = len(plan)
         positions = torch.as_tensor(plan.positions, device=self.device)[None] + offset
         memory = torch.where(torch.as_tensor(plan.is_l1, device=self.device)[None], positions, -1)
-        with torch.no_grad():
+        with torch.no_grad(), grouped_kv_sdpa(self.device):
             out = acre_forward(
                 self.model, input_ids=torch.as_tensor(plan.input_ids, device=self.device)[None],
                 is_l1=torch.as_tensor(plan.is_l1, device=self.device)[None],

@@ -136,8 +136,8 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
 
 def paired(base_dir: Path, base_row: str, other_dir: Path, other_row: str) -> dict:
     """Per-question difference (other - base) of two rows on the same questions, each row's split into
-    refilled / missed, and full attention's score on the questions each row refilled (when the base
-    cell has a ``full`` row): the comparison every study table reads."""
+    refilled / missed, and full attention's score on the questions each row refilled (when either cell
+    has a ``full`` row): the comparison every study table reads."""
     from acre_train.eval.metrics import bootstrap_ci, refill_split
 
     def rows(folder: Path, method: str) -> dict[tuple[str, int], dict]:
@@ -149,7 +149,8 @@ def paired(base_dir: Path, base_row: str, other_dir: Path, other_row: str) -> di
                 out[(r["id"], n)] = r
         return out
 
-    a, b, full = rows(base_dir, base_row), rows(other_dir, other_row), rows(base_dir, "full")
+    a, b = rows(base_dir, base_row), rows(other_dir, other_row)
+    full = {**rows(other_dir, "full"), **rows(base_dir, "full")}  # either cell's full row (the base's first)
     keys = sorted(set(a) & set(b))
     summary = {"n": len(keys), "base": base_row, "other": other_row,
                "other_minus_base": bootstrap_ci([100.0 * (b[k]["score"] - a[k]["score"]) for k in keys])}

@@ -14,6 +14,7 @@ import torch
 from ...infer.decode import decode
 from ...infer.growing_cache import GrowingCache
 from ...measure import Timer
+from ...modeling.sdpa import grouped_kv_sdpa
 from ..prompt import PreparedExample
 from .base import CostRecord, EvalMethod, GenerationConfig, MethodResult, decode_text
 
@@ -52,7 +53,8 @@ def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
     timer = Timer(device)
     x = torch.tensor([ids], device=device)
     cache = GrowingCache(capacity=len(ids) + generation.max_new_tokens) if cache is None else cache
-    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+    with grouped_kv_sdpa(device):  # the question over a cached context is a masked pass: no KV-head copies
+        out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]
     ttft = timer.elapsed()
     first = logits.clone()
