@@ -9,47 +9,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from .builtin import BUILTIN_TEXT_SOURCE, builtin_text
 from .errors import DataError, InputProblems
-from .output import (
-    FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, interval_histogram, length_histogram, read_manifest,
-    reusable, write_manifest,
-)
-from .readers import Record, describe_inputs, expand_inputs, read_files, read_hub_dataset
+from .output import FORMAT_VERSION, dataset_from_generator, fingerprint
+from .prepare import Built, Preparation, input_records, prepare
 from .rows import features, plan_row
-from .settings import Stage1Settings, Stage2Settings
-from .spans import Segment, iter_spans, span_length
+from .settings import Stage1Settings
+from .spans import Segment, iter_spans
 from .tokenizer import open_tokenizer
 from ..files import cache_root
-
-
-def input_records(settings: Any, problems: InputProblems) -> Iterator[Record]:
-    """Records of the settings' input (files, a ``datasets`` name, or the built-in text)."""
-    if settings.builtin:
-        for i, data in enumerate(builtin_text(), start=1):
-            yield Record(data, BUILTIN_TEXT_SOURCE, i)
-    elif settings.dataset_name:
-        yield from read_hub_dataset(settings.dataset_name, settings.dataset_config, settings.dataset_split)
-    else:
-        yield from read_files(expand_inputs(settings.inputs), problems)
-
-
-def describe_source(settings: Any) -> list[dict[str, Any]]:
-    """What the input is, for the manifest and the cache key (file hashes for files)."""
-    if settings.builtin:
-        return [{"builtin": BUILTIN_TEXT_SOURCE if isinstance(settings, Stage1Settings) else "squad_v2_sample.json",
-                 "python": sys.version.split()[0]}]
-    if settings.dataset_name:
-        # Hub datasets have no cheap content hash: name, config and split are the key.
-        return [{"dataset": settings.dataset_name, "config": settings.dataset_config, "split": settings.dataset_split}]
-    return describe_inputs(expand_inputs(settings.inputs))
 
 
 def iter_documents(settings: Stage1Settings, problems: InputProblems) -> Iterator[dict[str, str]]:
@@ -154,101 +127,36 @@ def _spans(settings: Stage1Settings, lengths) -> Iterator[list[Segment]]:
                       token_budget=settings.token_budget, pack=settings.pack, seed=settings.seed)
 
 
-def preparation_key(settings: Stage1Settings | Stage2Settings, tok_facts: dict[str, Any] | None = None) -> str:
-    """The fingerprint a prepared dataset must carry to be reused: settings, input bytes, tokenizer."""
-    if tok_facts is None:
-        tok_facts = open_tokenizer(settings)[2]
-    stage = "stage1" if isinstance(settings, Stage1Settings) else "stage2"
-    return fingerprint(FORMAT_VERSION, stage, settings.output_dict(), describe_source(settings), tok_facts["fingerprint"])
-
-
-def prepared_state(settings: Stage1Settings | Stage2Settings) -> str:
-    """``"missing"`` (nothing prepared at the output), ``"current"`` (reusable) or ``"stale"``
-    (made from other settings, inputs or tokenizer): what ``validate`` reports before training."""
-    if read_manifest(settings.output) is None:
-        return "missing"
-    return "current" if reusable(settings.output, preparation_key(settings)) else "stale"
-
-
 def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
     """Prepare the stage-1 dataset at ``settings.output``; reuse it if already made identically."""
+    return prepare(settings, _stage1_rows, log)
+
+
+def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
+    """Tokenize the documents (cached per inputs + tokenizer), sample spans, interleave each span."""
     import datasets
 
-    if settings.output is None:
-        raise DataError("stage 1 needs an output directory")
-    tok, l1_id, tok_facts = open_tokenizer(settings)
-    inputs = describe_source(settings)
-    read_key = fingerprint(FORMAT_VERSION, inputs, settings.text_field, settings.meta_field, settings.strict,
-                           tok_facts["fingerprint"])  # strict decides which records survive
-    key = preparation_key(settings, tok_facts)
-    if not settings.overwrite and (manifest := reusable(settings.output, key)):
-        log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")
-        return settings.output
-
-    problems = InputProblems(strict=settings.strict)
-    with tempfile.TemporaryDirectory(prefix="acre-prep-") as work_dir, \
-            atomic_output(settings.output, overwrite=settings.overwrite) as out:
-        work = Path(work_dir)
-        docs = tokenized_documents(settings, tok, read_key, problems, work)
-        lengths = docs["num_tokens"]
-        spans = list(_spans(settings, enumerate(lengths)))
-        if not spans:
-            raise DataError(
-                f"no span: {len(lengths)} documents, the longest has {max(lengths, default=0)} tokens "
-                f"and {sum(lengths)} in all, below min_length={settings.min_length}"
-                + ("" if settings.pack else " (packing is off: pass --pack to join short documents)")
-            )
-        plan = datasets.Dataset.from_dict(
-            {"sample_index": list(range(len(spans))), "segments": [[list(s) for s in span] for span in spans]})
-        rows = plan.map(
-            _map_span, fn_kwargs={"docs": docs.with_format("numpy", columns=["input_ids"], output_all_columns=True),
-                                  "settings": settings, "eos_id": tok.eos_token_id, "l1_id": l1_id},
-            remove_columns=["segments"], features=features(1),
-            num_proc=settings.num_proc if settings.num_proc > 1 else None,
-            cache_file_name=str(work / "rows.arrow"), new_fingerprint=key[:32], desc="interleaving",
+    read_key = fingerprint(FORMAT_VERSION, prep.inputs, settings.text_field, settings.meta_field, settings.strict,
+                           prep.tok_facts["fingerprint"])  # strict decides which records survive
+    docs = tokenized_documents(settings, prep.tokenizer, read_key, prep.problems, prep.work)
+    lengths = docs["num_tokens"]
+    spans = list(_spans(settings, enumerate(lengths)))
+    if not spans:
+        raise DataError(
+            f"no span: {len(lengths)} documents, the longest has {max(lengths, default=0)} tokens "
+            f"and {sum(lengths)} in all, below min_length={settings.min_length}"
+            + ("" if settings.pack else " (packing is off: pass --pack to join short documents)")
         )
-        rows.save_to_disk(str(out))
-        write_manifest(out, build_manifest(1, settings, rows, inputs, tok_facts, l1_id, problems, key,
-                                           {"documents": len(lengths), "document_tokens": int(sum(lengths))}))
-    log(f"wrote {len(spans)} samples to {settings.output}")
-    return settings.output
-
-
-def build_manifest(stage: int, settings: Any, rows, inputs, tok_facts, l1_id: int, problems: InputProblems,
-                   key: str, extra_counts: dict[str, int]) -> dict[str, Any]:
-    """Counts, token totals, histograms, the exact settings and the input hashes."""
-    import pyarrow.compute as pc
-
-    raw = [int(n) for n in rows["num_raw_tokens"]]
-    intervals = rows["intervals"]
-    # Interleaved lengths straight from Arrow's list offsets: no token values are read.
-    total = int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
-    counts = {
-        "samples": len(rows),
-        "raw_tokens": sum(raw),
-        "l1_tokens": total - sum(raw),
-        "total_tokens": total,
-        **extra_counts,
-    }
-    if stage == 1:
-        counts["label_tokens"] = sum(max(n - 1, 0) for n in raw)
-    return {
-        "format_version": FORMAT_VERSION,
-        "stage": stage,
-        "fingerprint": key,
-        "plan": {"first_chunk": settings.first_chunk, "stride": settings.stride,
-                 "intervals": list(settings.intervals), "seed": settings.seed, "l1_token_id": l1_id,
-                 "min_length": settings.min_length, "max_length": settings.max_length,
-                 "interval_seed": "sample_intervals(n_chunks, intervals, seed=(seed, sample_index))"},
-        "columns": list(rows.column_names),
-        "dtypes": {"token columns": "int32", "is_l1": "bool"},
-        "counts": counts,
-        "skipped": problems.as_dict(),
-        "histograms": {"raw_length": length_histogram(raw), "interval_chunks": interval_histogram(intervals)},
-        "settings": settings.to_dict(),
-        "inputs": inputs,
-        "tokenizer": tok_facts,
-    }
+    plan = datasets.Dataset.from_dict(
+        {"sample_index": list(range(len(spans))), "segments": [[list(s) for s in span] for span in spans]})
+    rows = plan.map(
+        _map_span, fn_kwargs={"docs": docs.with_format("numpy", columns=["input_ids"], output_all_columns=True),
+                              "settings": settings, "eos_id": prep.tokenizer.eos_token_id, "l1_id": prep.l1_id},
+        remove_columns=["segments"], features=features(1),
+        num_proc=settings.num_proc if settings.num_proc > 1 else None,
+        cache_file_name=str(prep.work / "rows.arrow"), new_fingerprint=prep.key[:32], desc="interleaving",
+    )
+    return Built(rows, {"documents": len(lengths), "document_tokens": int(sum(lengths))})
 
 
 def preview_stage1(settings: Stage1Settings, n: int) -> tuple[list[dict[str, Any]], Any]:

@@ -8,7 +8,6 @@ included) -> drop or middle-truncate over-long samples -> interleave -> write at
 from __future__ import annotations
 
 import json
-import tempfile
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -20,13 +19,13 @@ from .builtin import BUILTIN_QA_SOURCE, builtin_qa
 from .chat import render_conversation, truncate_middle
 from .errors import DataError, InputProblems
 from .formats import to_messages
-from .output import FORMAT_VERSION, dataset_from_generator, atomic_output, fingerprint, reusable, write_manifest
+from .output import dataset_from_generator
+from .prepare import Built, Preparation, input_records, prepare
 from .readers import expand_inputs, read_files, read_hub_dataset
 from .rows import features, plan_row
 from ..modeling.interleave import IGNORE_INDEX
 from .settings import Stage2Settings
 from .squad import build_long_qa, load_squad_files, paragraphs_from_records, paragraphs_from_squad_json
-from .stage1 import build_manifest, describe_source, input_records, preparation_key
 from .tokenizer import open_tokenizer
 
 
@@ -155,58 +154,46 @@ def _map_example(example: dict, index: int, tokenizer: Any, settings: Stage2Sett
 
 def prepare_stage2(settings: Stage2Settings, log=print) -> Path:
     """Prepare the stage-2 dataset at ``settings.output``; reuse it if already made identically."""
+    return prepare(settings, _stage2_rows, log)
+
+
+def _stage2_rows(settings: Stage2Settings, prep: Preparation) -> Built:
+    """Read the conversations, render and interleave each, drop the over-long, pack questions if asked."""
     import datasets
 
-    if settings.output is None:
-        raise DataError("stage 2 needs an output directory")
-    tok, l1_id, tok_facts = open_tokenizer(settings)
-    inputs = describe_source(settings)
-    key = preparation_key(settings, tok_facts)
-    if not settings.overwrite and (manifest := reusable(settings.output, key)):
-        log(f"reusing {settings.output} (same settings, inputs and tokenizer; {manifest['counts']['samples']} samples)")
-        return settings.output
-
-    problems = InputProblems(strict=settings.strict)
     nproc = settings.num_proc if settings.num_proc > 1 else None
-    with tempfile.TemporaryDirectory(prefix="acre-prep-") as work_dir, \
-            atomic_output(settings.output, overwrite=settings.overwrite) as out:
-        work = Path(work_dir)
 
-        def generate():
-            yield from islice(iter_examples(settings, tok, problems), settings.max_samples)
+    def generate():
+        yield from islice(iter_examples(settings, prep.tokenizer, prep.problems), settings.max_samples)
 
-        examples = dataset_from_generator(generate, work / "gen", features=datasets.Features(
-            {k: datasets.Value("string") for k in ("messages", "context", "source", "meta", "evidence")}), problems=problems)
-        rows = examples.map(
-            _map_example, with_indices=True, fn_kwargs={"tokenizer": tok, "settings": settings, "l1_id": l1_id},
-            remove_columns=examples.column_names, features=features(2), num_proc=nproc,
-            cache_file_name=str(work / "rows.arrow"), new_fingerprint=key[:32], desc="rendering",
-        )
-        statuses = Counter(rows["status"])
-        kept = rows.filter(lambda s: not s.startswith("dropped"), input_columns="status",
-                           cache_file_name=str(work / "kept.arrow"), new_fingerprint=key[32:64])
-        dropped = {s: c for s, c in sorted(statuses.items()) if s.startswith("dropped")}
-        if len(kept) == 0:
-            raise DataError(f"every one of {len(examples)} conversations was dropped: {dropped}")
-        kept = kept.remove_columns("status")
-        if settings.pack_questions > 1:
-            kept = pack_dataset(kept, settings, l1_id)
-        kept.save_to_disk(str(out))
-        extra = {"examples": len(examples), "truncated": statuses.get("truncated", 0),
-                 "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"])),
-                 "with_evidence": int(sum(1 for e in kept["evidence"] if len(e))),
-                 "pack_questions": settings.pack_questions, "questions": int(sum(len(q) // 2 for q in kept["question"]))}
-        marked = sum(1 for e in examples["evidence"] if e not in ("[]", "", None))  # conversations marking evidence
-        manifest = build_manifest(2, settings, kept, inputs, tok_facts, l1_id, problems, key, extra)
-        manifest["dropped_by_reason"] = dropped
-        write_manifest(out, manifest)
-    with_evidence = f", {extra['with_evidence']} with evidence of {marked} marked" if marked else ""
-    log(f"wrote {len(kept)} samples to {settings.output} ({extra['truncated']} truncated, {extra['dropped']} dropped"
-        f"{with_evidence})")
-    if marked and not extra["with_evidence"]:
-        log(f"warning: {marked} conversations mark evidence, but none of it survived into a sample (cut by "
-            "truncation?): refill training (train.refill_loss / refill_sim) will have nothing to refill")
-    return settings.output
+    examples = dataset_from_generator(generate, prep.work / "gen", features=datasets.Features(
+        {k: datasets.Value("string") for k in ("messages", "context", "source", "meta", "evidence")}), problems=prep.problems)
+    rows = examples.map(
+        _map_example, with_indices=True, fn_kwargs={"tokenizer": prep.tokenizer, "settings": settings, "l1_id": prep.l1_id},
+        remove_columns=examples.column_names, features=features(2), num_proc=nproc,
+        cache_file_name=str(prep.work / "rows.arrow"), new_fingerprint=prep.key[:32], desc="rendering",
+    )
+    statuses = Counter(rows["status"])
+    kept = rows.filter(lambda s: not s.startswith("dropped"), input_columns="status",
+                       cache_file_name=str(prep.work / "kept.arrow"), new_fingerprint=prep.key[32:64])
+    dropped = {s: c for s, c in sorted(statuses.items()) if s.startswith("dropped")}
+    if len(kept) == 0:
+        raise DataError(f"every one of {len(examples)} conversations was dropped: {dropped}")
+    kept = kept.remove_columns("status")
+    if settings.pack_questions > 1:
+        kept = pack_dataset(kept, settings, prep.l1_id)
+    counts = {"examples": len(examples), "truncated": statuses.get("truncated", 0),
+              "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"])),
+              "with_evidence": int(sum(1 for e in kept["evidence"] if len(e))),
+              "pack_questions": settings.pack_questions, "questions": int(sum(len(q) // 2 for q in kept["question"]))}
+    marked = sum(1 for e in examples["evidence"] if e not in ("[]", "", None))  # conversations marking evidence
+    with_evidence = f", {counts['with_evidence']} with evidence of {marked} marked" if marked else ""
+    warnings = []
+    if marked and not counts["with_evidence"]:
+        warnings.append(f"warning: {marked} conversations mark evidence, but none of it survived into a sample (cut by "
+                        "truncation?): refill training (train.refill_loss / refill_sim) will have nothing to refill")
+    return Built(kept, counts, manifest={"dropped_by_reason": dropped},
+                 summary=f" ({counts['truncated']} truncated, {counts['dropped']} dropped{with_evidence})", warnings=warnings)
 
 
 def pack_rows(rows: list[dict[str, Any]], pack: int, settings: Stage2Settings, l1_id: int) -> list[dict[str, Any]]:

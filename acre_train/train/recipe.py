@@ -500,7 +500,7 @@ def _check_data(recipe: Recipe) -> list[str]:
         if d.prepare is None:
             return []
         # The trainer re-checks a prepared dataset against its inputs; say so before any GPU hour.
-        from ..data.stage1 import prepared_state
+        from ..data.prepare import prepared_state
 
         try:
             settings = prepare_settings(recipe)
