@@ -100,10 +100,9 @@ def _train(recipe_name: str, out: Path, run_name: str, steps: int, *extra: str) 
 
 
 def _export(run_dir: Path, export_dir: Path) -> None:
-    from .cli import main
+    from .export import export_run
 
-    if main(["export", str(run_dir), str(export_dir), "--overwrite"]) != 0:
-        raise SystemExit("export failed (see above)")
+    export_run(run_dir, export_dir, overwrite=True)
 
 
 def _answer(export_dir: Path, paragraphs: int) -> None:
@@ -176,7 +175,7 @@ def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Pat
     weights = files("acre_train.resources").joinpath(adapter)
     model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
     scorer = None
-    if card.get("learned_scorer"):  # the card's learned scorer (infer/learned_scorer.py) travels with the export
+    if card.get("learned_scorer"):  # the card's learned scorer (modeling/learned_scorer.py) travels with the export
         from .infer.learned_scorer import QueryMap
         from .infer.scorers import ScorerSettings
 

@@ -1,6 +1,6 @@
 """What each refill scorer costs per question, beside the memory it holds, at 8K-64K context tokens.
 
-The scorers read what the cache holds (infer/scorers.py): ``l1`` the L1 keys on the device, ``l2``
+The scorers read what the cache holds (modeling/scorers.py): ``l1`` the L1 keys on the device, ``l2``
 one layer's raw keys per scoring layer (gathered from CPU memory on a GPU node, read in place here),
 ``bounds`` the per-span key boxes built with the cache. This times ``rank_spans`` alone, with random
 queries and keys in the head shapes of real models (the question's scoring pass, which every scorer
@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from acre_train.infer.scorers import QuestionQueries, ScorerSettings, rank_spans
+    from acre_train.modeling.scorers import QuestionQueries, ScorerSettings, rank_spans
 
     heads, kv_heads, dim, n_layers = SHAPES[args.shape]
     model = _model(heads, kv_heads, dim, n_layers)

@@ -189,7 +189,7 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     assert stored["scorer"] == best["scorer"] and stored["neighbors"] == best["neighbors"]
     assert "`" + best["setting"] + "`" in (export / "calibration.md").read_text()
 
-    from acre_train.infer.scorers import ScorerSettings
+    from acre_train.modeling.scorers import ScorerSettings
 
     chosen = ScorerSettings.parse(best["scorer"]).describe()
     context = tmp_path / "ctx.txt"

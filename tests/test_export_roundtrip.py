@@ -17,7 +17,8 @@ import torch
 
 from acre_train.cli import main as cli_main
 from acre_train.export import export_model
-from acre_train.infer.load import NotAnAcreExport, check_export_dir, load_export
+from acre_train.infer.load import load_export
+from acre_train.modeling.export_format import NotAnAcreExport, check_export_dir
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
 from acre_train.modeling.hf import AcreForCausalLM

@@ -29,7 +29,7 @@ def test_the_geometry_travels_from_manifest_to_inference(tmp_path):
     from acre_train.eval.methods import parse_method
     from acre_train.export.checkpoint import load_checkpoint_model
     from acre_train.export.writer import export_model
-    from acre_train.infer.load import check_export_dir
+    from acre_train.modeling.export_format import check_export_dir
     from acre_train.train import load_recipe
     from acre_train.train.distributed import setup
     from acre_train.train.trainer import Trainer

@@ -1,4 +1,4 @@
-"""Refill scorers (infer/scorers.py) against per-token, per-head loops written from their definitions."""
+"""Refill scorers (modeling/scorers.py) against per-token, per-head loops written from their definitions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings
-from acre_train.infer.scorers import ScorerSettings, select_spans, sink_mask
+from acre_train.modeling.scorers import ScorerSettings, select_spans, sink_mask
 from acre_train.modeling import acre_forward, interleave
 from acre_train.modeling.batch import pad_batch
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from acre_train.infer import AcreEngine
-from acre_train.infer.scorers import ScorerSettings
+from acre_train.modeling.scorers import ScorerSettings
 from acre_train.modeling import acre_parameters, interleave
 from acre_train.train.refill_sim import SimSettings, collate_sim, sim_forward, sim_sample, unpad
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acre_train.infer.scorers import ScorerSettings
+from acre_train.modeling.scorers import ScorerSettings
 from acre_train.modeling import acre_parameters, attach_acre
 from acre_train.tiny import tiny_model
 from acre_train.train import CheckpointMismatch, load_recipe
@@ -376,7 +376,7 @@ def test_a_learned_scorer_trains_apart_from_decoding(workdir):
     from acre_train.export.checkpoint import load_checkpoint_model
     from acre_train.export.writer import export_model
     from acre_train.infer import AcreEngine
-    from acre_train.infer.learned_scorer import SCORER_WEIGHTS, QueryMap, query_map_of
+    from acre_train.modeling.learned_scorer import SCORER_WEIGHTS, QueryMap, query_map_of
     from acre_train.infer.load import load_export
     from acre_train.infer.settings import inference_settings
 

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..infer.scorers import ScorerSettings
+from ..modeling.scorers import ScorerSettings
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
     from tqdm.auto import tqdm
 
     from ..infer import AcreEngine
-    from ..infer.scorers import forced_spans, rank_spans, select_spans
+    from ..modeling.scorers import forced_spans, rank_spans, select_spans
     from ..infer.settings import inference_settings
     from .harness import group_by_context
     from .methods.acre import evidence_token_ranges, evidence_visibility
@@ -188,8 +188,9 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..infer.learned_scorer import query_map_of
-    from ..infer.load import check_export_dir, load_export
+    from ..modeling.learned_scorer import query_map_of
+    from ..infer.load import load_export
+    from ..modeling.export_format import check_export_dir
     from ..infer.settings import inference_settings
     from .tasks import resolve_tasks
 

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"acre-train eval: note: {args.model!r} is not a local folder; trying it as a hub id", file=sys.stderr)
     acre_rows = [m.label() for m in methods if m.needs_acre]
     if acre_rows:
-        from ..infer.load import NotAnAcreExport, check_export_dir
+        from ..modeling.export_format import NotAnAcreExport, check_export_dir
 
         try:
             check_export_dir(args.model)
@@ -97,7 +97,8 @@ def _load_model(args, dtype, device):
     from transformers import AutoModelForCausalLM
 
     from ..data.tokenizer import auto_tokenizer
-    from ..infer.load import NotAnAcreExport, check_export_dir, load_export
+    from ..infer.load import load_export
+    from ..modeling.export_format import NotAnAcreExport, check_export_dir
 
     try:
         check_export_dir(args.model)

@@ -118,7 +118,7 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
         state, origin = consolidate_zero(ds_dir, tag=DS_TAG), "deepspeed-zero"
     else:
         state, origin = load_trainable(checkpoint), "trainable.safetensors"
-    from ..infer.learned_scorer import split_state
+    from ..modeling.learned_scorer import split_state
 
     state, scorer_state = split_state(state)
     model_section = recipe.get("model") or {}
@@ -138,7 +138,7 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
 
 def _learned_spec(recipe: dict[str, Any]) -> str:
     """The scorer a learned map was trained for (``train.refill_loss.scorer``), marked learned."""
-    from ..infer.scorers import ScorerSettings
+    from ..modeling.scorers import ScorerSettings
 
     spec = ((recipe.get("train") or {}).get("refill_loss") or {}).get("scorer") or "l2:layers=-1,heads=max"
     return ScorerSettings.parse(spec + ",learned=1" if "learned" not in spec else spec).describe()
@@ -151,7 +151,7 @@ def trained_refill(recipe: dict[str, Any]) -> dict[str, Any]:
     sim = (recipe.get("train") or {}).get("refill_sim") or {}
     if not sim.get("enabled"):
         return {}
-    from ..infer.scorers import ScorerSettings
+    from ..modeling.scorers import ScorerSettings
 
     out = {k: int(sim[k]) for k in ("interval", "working_window", "max_refill") if sim.get(k) is not None}
     out["scorer"] = ScorerSettings.parse(sim.get("scorer") or "l1:layers=-1").describe()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from ..modeling.geometry import WindowGeometry
 
@@ -33,35 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from . import export_run
 
-    from .checkpoint import load_checkpoint_model, load_tokenizer
-    from .writer import export_model
-
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    loaded = load_checkpoint_model(args.source, dtype=dtype)
-    tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer_spec, loaded.base_pointer)
-    if tokenizer is None:
-        print("warning: no tokenizer found; the export holds none (pass --tokenizer)")
     overrides = {key: getattr(args, key) for key in ("first_chunk", "stride", "interval", "working_window", "max_refill")}
-    geometry = WindowGeometry.from_mapping(loaded.inference, ignore=("scorer", "neighbors"))
-    inference = geometry.with_overrides(overrides).inference_dict()
-    # The refill a refill-simulated run trained with (scorer, neighbours) rides along with its geometry.
-    inference.update({k: loaded.inference[k] for k in ("scorer", "neighbors") if k in loaded.inference})
-    source = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
-              "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
-    scorer = None
-    if loaded.scorer_state:
-        from ..infer.learned_scorer import QueryMap
-
-        scorer = (QueryMap.from_state(loaded.scorer_state), loaded.scorer_spec)
-        inference["scorer"] = loaded.scorer_spec  # the learned scorer ranks by default; calibrate may choose
-    out = export_model(loaded.model, args.out_dir, tokenizer=tokenizer, adapter_only=args.adapter_only,
-                       base_model=args.base_model or loaded.base_pointer, inference=inference, source=source,
-                       overwrite=args.overwrite, scorer=scorer)
-    size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
-    form = "adapter-only" if args.adapter_only else "full"
-    print(f"exported {loaded.checkpoint} ({loaded.weights_from}) -> {out} [{form}, {size / 2**20:.1f} MiB]")
-    print(f"inference defaults: {json.dumps(inference)}")
+    out = export_run(args.source, args.out_dir, adapter_only=args.adapter_only, base_model=args.base_model,
+                     tokenizer=args.tokenizer, dtype=args.dtype, geometry=overrides, overwrite=args.overwrite)
     print(f"load: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0

@@ -73,7 +73,7 @@ def _export(model: nn.Module, out_dir: Path, tokenizer: Any, adapter_only: bool,
         with disk_errors(f"the export {final}"):
             _write(model, out, final, tokenizer, adapter_only, base_model, inference, source)
             if scorer is not None:
-                from ..infer.learned_scorer import SCORER_WEIGHTS
+                from ..modeling.learned_scorer import SCORER_WEIGHTS
 
                 scorer[0].save(out / SCORER_WEIGHTS, scorer[1])
         publish_dir(out, final)

@@ -3,7 +3,8 @@
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
 from .engine import AcreEngine, Answer
 from ..data.prompt import QUESTION_TEMPLATE, PromptFormat
-from .refill import assemble, num_selected, score_entries, select_entries
+from .refill import assemble, num_selected, select_entries
+from ..modeling.scorers import score_entries
 from .settings import CacheSettings, RefillSettings
 
 __all__ = [

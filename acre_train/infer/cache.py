@@ -11,7 +11,7 @@ Layout (batch size 1, every tensor per layer stacked on dim 0):
   token would fall in the unfinished chunk (only when chunk sizes are not multiples of ``l``).
 * **Tail**: the token ids of the unfinished last chunk; they are re-run with every question, which
   continues that open chunk.
-* **Key boxes** (for the ``bounds`` scorer, infer/scorers.py): per scoring layer, the per-span min
+* **Key boxes** (for the ``bounds`` scorer, modeling/scorers.py): per scoring layer, the per-span min
   and max of the raw keys rotated at their text positions (``[H_kv, m, D]`` each, on the device),
   made on first use or by ``AcreEngine.build`` and saved with the cache.
 """
@@ -92,13 +92,13 @@ class BiLayerCache:
 
     def sink_tokens(self, sinks: int) -> torch.Tensor:
         """``[N2]`` bool: the first ``sinks`` tokens of the context and of every chunk."""
-        from .scorers import sink_mask
+        from ..modeling.scorers import sink_mask
 
         return sink_mask(self.num_l2, self.settings.first_chunk, self.settings.stride, sinks)
 
     def key_box(self, model: nn.Module, layer: int, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``bounds`` scorer's per-span key box at ``layer`` (sink tokens left out), made once."""
-        from .scorers import key_bounds
+        from ..modeling.scorers import key_bounds
 
         name = f"{layer}:{sinks}"
         if name not in self.boxes:

@@ -23,7 +23,7 @@ from .decode import decode
 from .refill import assemble, num_selected
 from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
-from .scorers import QuestionQueries, ScorerSettings, forced_spans, rank_spans, select_spans
+from ..modeling.scorers import QuestionQueries, ScorerSettings, forced_spans, rank_spans, select_spans
 from .settings import CacheSettings, RefillSettings
 
 

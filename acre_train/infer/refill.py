@@ -10,18 +10,8 @@ import torch
 from torch import nn
 
 from .cache import BiLayerCache
-from .scorers import score_l1, select_spans
+from ..modeling.scorers import select_spans
 from ..modeling.rope import Rope
-
-
-def score_entries(queries: list[torch.Tensor], keys: list[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-    """The paper's score, one per L1 entry: :func:`scorers.score_l1` with the mean over heads.
-
-    ``queries[i]``: rotated query states ``[H, n, D]`` of the question tokens at scoring layer ``i``;
-    ``keys[i]``: that layer's L1 keys ``[H_kv, m, D]``, rotated at the positions the queries saw
-    them. Softmax over the ``m`` entries, mean over heads and query tokens, then over layers (fp32).
-    """
-    return score_l1(queries, keys, "mean", temperature)
 
 
 def num_selected(num_l1: int, interval: int, working_window: int, max_refill: int) -> int:

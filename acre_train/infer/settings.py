@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
-from .scorers import ScorerSettings
+from ..modeling.scorers import ScorerSettings
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
 _PAPER = WindowGeometry()
@@ -80,7 +80,7 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     """
     from dataclasses import replace as replace_
 
-    from .scorers import ScorerSettings
+    from ..modeling.scorers import ScorerSettings
 
     overrides = overrides or {}
     geometry = export_geometry(config).with_overrides(overrides)

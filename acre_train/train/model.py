@@ -76,7 +76,7 @@ def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
     theirs, ours = meta.get("base_model"), base_reference(recipe)
     if theirs != ours:
         raise ValueError(f"model.init_from {checkpoint} was trained on base {theirs}, this recipe uses {ours}")
-    from ..infer.learned_scorer import split_state
+    from ..modeling.learned_scorer import split_state
 
     weights, _scorer = split_state(load_trainable(checkpoint))  # a learned scorer starts afresh per run
     if is_acre_model(model):
@@ -91,7 +91,7 @@ def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
 def _load_from_export(model: nn.Module, recipe: Recipe, folder: Path) -> Path:
     from ..base.fetch import resolve_source
     from ..files import read_safetensors
-    from ..infer.load import check_export_dir
+    from ..modeling.export_format import check_export_dir
     from ..modeling.hf import ADAPTER_WEIGHTS
 
     data = check_export_dir(folder)
@@ -149,7 +149,7 @@ class LossModule(nn.Module):
         self.scorer_settings = None
         self.scorer_only = False
         if refill is not None and refill.get("params") == "scorer":
-            from ..infer.learned_scorer import QueryMap
+            from ..modeling.learned_scorer import QueryMap
 
             self.scorer_settings = refill["scorer"]
             layers = self.scorer_settings.resolved_layers(model.config.num_hidden_layers)

@@ -97,7 +97,7 @@ class RefillLossSection(_Section):
     layers: list[int] = Field(default_factory=lambda: [-1], min_length=1)  # (an empty list scores nothing)
     temperature: float = Field(1.0, gt=0)
     # shared: the loss trains the L1 keys decoding attends to. scorer: it trains a learned scorer of its
-    # own (infer/learned_scorer.py, rank ``rank``) for the inference scorer ``scorer`` names; the L1
+    # own (modeling/learned_scorer.py, rank ``rank``) for the inference scorer ``scorer`` names; the L1
     # weights then train exactly as without the loss, and the export ranks with ``scorer`` + learned=1.
     params: Literal["shared", "scorer"] = "shared"
     scorer: str = "l2:layers=-1,heads=max"
@@ -109,7 +109,7 @@ class RefillLossSection(_Section):
     @field_validator("scorer")
     @classmethod
     def _scorer_spec(cls, value: str) -> str:
-        from ..infer.scorers import ScorerSettings
+        from ..modeling.scorers import ScorerSettings
 
         return ScorerSettings.parse(value).describe()  # a misspelt option fails here, with a suggestion
 
@@ -134,7 +134,7 @@ class RefillSimSection(_Section):
     @field_validator("scorer")
     @classmethod
     def _scorer_spec(cls, value: str) -> str:
-        from ..infer.scorers import ScorerSettings
+        from ..modeling.scorers import ScorerSettings
 
         return ScorerSettings.parse(value).describe()
 

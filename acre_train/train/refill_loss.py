@@ -3,7 +3,7 @@
 Refilling helps only if the question's attention over the L1 entries ranks the span holding the
 evidence near the top; plain stage 2 hopes the answer loss shapes that ranking. This loss trains it
 directly. For every sample that records its evidence (``evidence`` and ``question`` columns of a
-stage-2 dataset), it computes the refill score exactly as inference does (``infer.refill.score_entries``:
+stage-2 dataset), it computes the refill score exactly as inference does (``modeling.scorers.score_entries``:
 softmax over the L1 entries of question-query · L1-key / sqrt(d), mean over heads, question tokens and
 scoring layers) and adds ``-log`` of the score mass on the entries whose spans hold evidence.
 
@@ -18,7 +18,7 @@ Which tokens take part (what inference scores, in the training plan's terms):
 Gradients reach the L1 projections (the keys of the entries and, through them, every earlier L1
 layer); the question's queries come from the frozen base and carry none of their own.
 
-``params: scorer`` trains a learned scorer instead (``infer/learned_scorer.py``): the captured queries
+``params: scorer`` trains a learned scorer instead (``modeling/learned_scorer.py``): the captured queries
 and keys are detached, the question's queries pass through the scorer's own low-rank map, and the
 score is the inference scorer ``train.refill_loss.scorer`` names (``l1``, ``l2`` or ``bounds``, with
 its layers, head pooling and sinks). Only the map gets a gradient; the answer loss and every L1
@@ -34,8 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..infer.refill import score_entries
-from ..infer.scorers import ScorerSettings, key_bounds, score_bounds, score_l1, score_l2
+from ..modeling.scorers import ScorerSettings, key_bounds, score_bounds, score_entries, score_l1, score_l2
 from ..modeling.rope import Rope
 
 # Per-token masks of a stage-2 row: question queries, scored entries, their targets, the L2 context

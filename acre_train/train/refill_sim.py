@@ -34,7 +34,7 @@ from torch import nn
 
 from ..infer.cache import BiLayerCache, finished_chunks, span_layout
 from ..infer.refill import refill_layout
-from ..infer.scorers import ScorerSettings, forced_spans, rank_spans, select_spans, spans_with
+from ..modeling.scorers import ScorerSettings, forced_spans, rank_spans, select_spans, spans_with
 from ..infer.settings import CacheSettings, RefillSettings
 from ..modeling.interleave import IGNORE_INDEX, interleave
 from ..modeling.rope import Rope

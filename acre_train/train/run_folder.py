@@ -88,7 +88,7 @@ class RunFolder:
             if loaded is None:
                 raise ckpt.CheckpointMismatch(f"DeepSpeed found no state in {path / ckpt.DS_DIR}")
         else:
-            from ..infer.learned_scorer import split_state
+            from ..modeling.learned_scorer import split_state
 
             l1, scorer = split_state(ckpt.load_trainable(path))
             load_trainable_state(self.model, l1)
@@ -139,7 +139,7 @@ class RunFolder:
         """What a checkpoint stores: the L1 weights, and the learned scorer's under ``acre_scorer.``."""
         state = trainable_state(self.model)
         if self.scorer_map is not None:
-            from ..infer.learned_scorer import STATE_PREFIX
+            from ..modeling.learned_scorer import STATE_PREFIX
 
             state.update({STATE_PREFIX + k: v for k, v in self.scorer_map.state().items()})
         return state

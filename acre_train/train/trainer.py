@@ -159,7 +159,7 @@ class Trainer(RunFolder):
     def sim_settings(self):
         """The inference ``train.refill_sim`` simulates: the data's W0 and S, the export's default l, W and
         eta for this data (``acre-train export`` stores the same), unless the section names them."""
-        from ..infer.scorers import ScorerSettings
+        from ..modeling.scorers import ScorerSettings
         from ..modeling.geometry import WindowGeometry
         from .refill_sim import SimSettings
 
@@ -189,7 +189,7 @@ class Trainer(RunFolder):
         refill = t.refill_loss
         settings = None
         if self.refill_weight:
-            from ..infer.scorers import ScorerSettings
+            from ..modeling.scorers import ScorerSettings
 
             settings = {"layers": refill.layers, "temperature": refill.temperature, "params": refill.params,
                         "scorer": ScorerSettings.parse(refill.scorer), "rank": refill.rank,

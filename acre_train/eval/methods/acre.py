@@ -13,7 +13,7 @@ inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``
 not to the refilled spans) so that a question runs only its own tokens.
 
 The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``;
-infer/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
+modeling/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
 without ``scorer`` the other options change the stored one.
 
 ``kv_attended`` counts what the first generated token attends to per layer: L1 entries, refilled raw
@@ -67,7 +67,7 @@ class Acre(EvalMethod):
         """The row's scorer: ``scorer=`` starts afresh, other options change ``stored`` (the export's)."""
         from dataclasses import replace
 
-        from ...infer.scorers import ScorerSettings
+        from ...modeling.scorers import ScorerSettings
 
         base = ScorerSettings(kind=self.scorer) if self.scorer else (stored or ScorerSettings())
         changes = {}

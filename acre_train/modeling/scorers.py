@@ -19,7 +19,7 @@ the context and of every chunk; ``sinks: N`` leaves the first ``N`` tokens of ea
 ranking (out of the softmax for ``l2``, out of the box for ``bounds``), and ``keep_sinks`` refills
 the spans holding them anyway (they then count against ``k``).
 
-``learned=1`` ranks with the export's learned scorer (``infer/learned_scorer.py``, trained with
+``learned=1`` ranks with the export's learned scorer (``modeling/learned_scorer.py``, trained with
 ``train.refill_loss.params: scorer``): the question's queries pass through its low-rank map before
 any of the three scorers; nothing else changes, decoding never sees it.
 
@@ -52,7 +52,7 @@ class ScorerSettings:
     heads: str = "mean"
     sinks: int = 0
     keep_sinks: bool = False
-    learned: bool = False  # rank with the learned query map (infer/learned_scorer.py) of the export
+    learned: bool = False  # rank with the learned query map (modeling/learned_scorer.py) of the export
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -206,6 +206,16 @@ def score_l1(queries: Sequence[torch.Tensor], l1_keys_rot: Sequence[torch.Tensor
     return torch.stack(per_layer).mean(dim=0)
 
 
+def score_entries(queries: list[torch.Tensor], keys: list[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """The paper's score, one per L1 entry: :func:`score_l1` with the mean over heads.
+
+    ``queries[i]``: rotated query states ``[H, n, D]`` of the question tokens at scoring layer ``i``;
+    ``keys[i]``: that layer's L1 keys ``[H_kv, m, D]``, rotated at the positions the queries saw
+    them. Softmax over the ``m`` entries, mean over heads and query tokens, then over layers (fp32).
+    """
+    return score_l1(queries, keys, "mean", temperature)
+
+
 def score_l2(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor], span_bounds: torch.Tensor,
              heads: str = "mean", ignore: torch.Tensor | None = None) -> torch.Tensor:
     """Raw-key attention mass per span.
@@ -328,7 +338,7 @@ class QuestionQueries:
     derived: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def at_text(self, model, layer: int) -> torch.Tensor:
-        from ..modeling.rope import Rope
+        from .rope import Rope
 
         key = ("query", layer)
         if key not in self.derived:
@@ -339,7 +349,7 @@ class QuestionQueries:
     def learned(self, model, qmap, layer: int, frame: str) -> torch.Tensor:
         """The learned scorer's queries (``qmap`` on the pre-RoPE query), rotated at the ``frame``'s
         positions: ``"memory"`` (for L1 keys) or ``"text"`` (for raw keys)."""
-        from ..modeling.rope import Rope
+        from .rope import Rope
 
         key = ("learned-" + frame, layer)
         if key not in self.derived:

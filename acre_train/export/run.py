@@ -1,0 +1,52 @@
+"""A training run (or one of its checkpoints) -> an export, as ``acre-train export`` makes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from ..modeling.geometry import WindowGeometry
+
+
+def export_run(source: str | Path, out_dir: str | Path, *, adapter_only: bool = False, base_model: str | None = None,
+               tokenizer: str | None = None, dtype: str | None = None, geometry: dict[str, int | None] | None = None,
+               overwrite: bool = False, log: Callable[[str], object] = print) -> Path:
+    """Export the newest checkpoint of run ``source`` (or the checkpoint folder itself) to ``out_dir``.
+
+    ``geometry`` overrides the stored inference defaults (``first_chunk``, ``stride``, ``interval``,
+    ``working_window``, ``max_refill``; ``None`` keeps what the run trained with). A run trained in the
+    refilled layout also stores the refill (scorer, neighbours) it trained with; a learned scorer rides
+    along and ranks by default.
+
+    >>> export_run("checkpoints/my-run", "checkpoints/my-run-export", adapter_only=True)  # doctest: +SKIP
+    """
+    import torch
+
+    from .checkpoint import load_checkpoint_model, load_tokenizer
+    from .writer import export_model
+
+    loaded = load_checkpoint_model(str(source), dtype=getattr(torch, dtype) if dtype else None)
+    tok = load_tokenizer(tokenizer or loaded.tokenizer_spec, loaded.base_pointer)
+    if tok is None:
+        log("warning: no tokenizer found; the export holds none (pass --tokenizer)")
+    stored = WindowGeometry.from_mapping(loaded.inference, ignore=("scorer", "neighbors"))
+    inference = stored.with_overrides(geometry or {}).inference_dict()
+    # The refill a refill-simulated run trained with (scorer, neighbours) rides along with its geometry.
+    inference.update({k: loaded.inference[k] for k in ("scorer", "neighbors") if k in loaded.inference})
+    record = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
+              "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
+    scorer = None
+    if loaded.scorer_state:
+        from ..modeling.learned_scorer import QueryMap
+
+        scorer = (QueryMap.from_state(loaded.scorer_state), loaded.scorer_spec)
+        inference["scorer"] = loaded.scorer_spec  # the learned scorer ranks by default; calibrate may choose
+    out = export_model(loaded.model, out_dir, tokenizer=tok, adapter_only=adapter_only,
+                       base_model=base_model or loaded.base_pointer, inference=inference, source=record,
+                       overwrite=overwrite, scorer=scorer)
+    size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
+    form = "adapter-only" if adapter_only else "full"
+    log(f"exported {loaded.checkpoint} ({loaded.weights_from}) -> {out} [{form}, {size / 2**20:.1f} MiB]")
+    log(f"inference defaults: {json.dumps(inference)}")
+    return Path(out)

@@ -1,0 +1,76 @@
+"""The floors of docs/ARCHITECTURE.md hold: every import of the installed package runs down, never up
+and never sideways between rooms of one floor (one named exception), read from the source with ``ast``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "acre_train"
+# floor of each top-level module or package of acre_train (verbs: each package's cli.py, see below)
+FLOORS = {
+    "errors": 0, "files": 0, "measure": 0, "tiny": 0, "resources": 0,  # resources: data files only
+    "modeling": 1, "base": 1,
+    "data": 2,
+    "train": 3, "infer": 3,
+    "export": 4,
+    "eval": 5,
+    "cli": 6, "quickstart": 6, "reproduce": 6, "recipes_cli": 6, "env_info": 6,
+}
+# Sideways on purpose: stage 2 is trained in the layout inference answers in, built by inference's engine.
+ALLOWED = {("train/refill_sim.py", "infer")}
+
+
+def _room(module: Path) -> str:
+    rel = module.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _floor(module: Path) -> int:
+    if module.name == "cli.py":  # every package's verb module sits with the verbs
+        return FLOORS["cli"]
+    return FLOORS[_room(module)]
+
+
+def _imported_rooms(module: Path) -> set[str]:
+    """Top-level rooms of acre_train that ``module`` imports (relative or absolute, at any depth)."""
+    rel = module.relative_to(PACKAGE)
+    rooms = set()
+    for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the module's own package
+                base = list(rel.parts[:-1])[: len(rel.parts) - node.level]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                if not target:  # "from .. import x" at the package root: x names the room
+                    rooms.update(alias.name for alias in node.names)
+                    continue
+                rooms.add(target[0])
+            elif node.module and node.module.split(".")[0] == "acre_train":
+                parts = node.module.split(".")
+                rooms.update([parts[1]] if len(parts) > 1 else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "acre_train" and len(parts) > 1:
+                    rooms.add(parts[1])
+    return {r for r in rooms if r in FLOORS}
+
+
+def test_every_module_has_a_floor():
+    for module in PACKAGE.rglob("*.py"):
+        if module.name == "__init__.py" and module.parent == PACKAGE:
+            continue
+        assert _room(module) in FLOORS, f"{module}: add its room to docs/ARCHITECTURE.md and FLOORS"
+
+
+def test_imports_run_down_the_floors():
+    wrong = []
+    for module in sorted(PACKAGE.rglob("*.py")):
+        if module.parent == PACKAGE and module.name == "__init__.py":
+            continue
+        own, floor = _room(module), _floor(module)
+        for room in _imported_rooms(module) - {own}:
+            rel = module.relative_to(PACKAGE).as_posix()
+            if FLOORS[room] >= floor and (rel, room) not in ALLOWED:
+                wrong.append(f"{rel} (floor {floor}) imports {room} (floor {FLOORS[room]})")
+    assert not wrong, "imports that run up or sideways:\n" + "\n".join(wrong)
