@@ -9,6 +9,7 @@ missing optional dependency (:class:`MissingExtra`, which names the ``pip instal
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import sys
@@ -17,6 +18,17 @@ from typing import Any, Callable
 EXIT_USER_ERROR = 2
 EXIT_PEER_LOST = 3  # a distributed peer died: the run is resumable, but not by this process
 EXIT_INTERRUPTED = 130
+
+
+def key_hint(key: str, known, *, cutoff: float = 0.6) -> str:
+    """The tail of an unknown-key error: a did-you-mean when one is close, else the known keys.
+
+    >>> key_hint("strid", ["stride", "first_chunk"]), key_hint("zzz", ["b", "a"])
+    ("; did you mean 'stride'?", '; known: a, b')
+    """
+    known = sorted(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
 
 
 class PeerLost(RuntimeError):

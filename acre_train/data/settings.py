@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..errors import key_hint
 from ..modeling.geometry import PAPER_INTERVALS, WindowGeometry
 from .errors import DataError
 
@@ -74,11 +74,8 @@ class _Common(PlanSettings):
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-            raise DataError(f"unknown {cls.__name__} key(s): {', '.join(hints)}; known: {', '.join(sorted(known))}")
+            raise DataError(f"unknown {cls.__name__} key {unknown[0]!r}{key_hint(unknown[0], known)}"
+                            + (f" (and {len(unknown) - 1} more: {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""))
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,9 +14,10 @@ and ``infer.settings.inference_settings`` turns that (plus command-line override
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
+
+from ..errors import key_hint
 
 # The official recipe: W0 = 4096, S = 2048, l from {8, ..., 128} in training and 16 at inference,
 # W = 32K, eta = 4096.
@@ -66,9 +67,7 @@ class WindowGeometry:
             if key in ignore or value is None:
                 continue
             if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
-                raise ValueError(f"unknown window setting {key!r}{hint}")
+                raise ValueError(f"unknown window setting {key!r}{key_hint(key, known)}")
             picked[key] = value
         if "interval" in picked:
             one = picked.pop("interval")

@@ -32,12 +32,13 @@ loop as the reference for each scorer.
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 import torch
+
+from ..errors import key_hint
 
 KINDS = ("l1", "l2", "bounds")
 POOLS = ("mean", "max")
@@ -81,9 +82,7 @@ class ScorerSettings:
         picked = {}
         for key, value in values.items():
             if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
-                raise ValueError(f"unknown scorer setting {key!r}{hint}")
+                raise ValueError(f"unknown scorer setting {key!r}{key_hint(key, known)}")
             picked[key] = value
         if "layers" in picked:
             picked["layers"] = _layers(picked["layers"])

@@ -12,7 +12,6 @@ A recipe is validated in three layers, all before any model weight is touched:
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..errors import key_hint
 from ..modeling import SUPPORTED_MODEL_TYPES
 
 
@@ -331,9 +331,7 @@ def _explain(err: dict[str, Any]) -> str:
     dotted = ".".join(loc)
     if err["type"] == "extra_forbidden":
         known = _fields_at(loc[:-1])
-        match = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
-        hint = f"; did you mean {match[0]!r}?" if match else f"; valid keys here: {', '.join(known)}"
-        return f"{dotted}: unknown key{hint}"
+        return f"{dotted}: unknown key{key_hint(loc[-1], known, cutoff=0.5)}"
     if err["type"] == "missing":
         return f"{dotted}: required key is missing"
     return f"{dotted}: {err['msg']} (got {err.get('input')!r})"
