@@ -264,54 +264,15 @@ def build_cache(
     ids = np.asarray(context_ids, dtype=np.int64).reshape(-1)
     check_context(model, len(ids), settings, working_window)
     device = _device_of(model)
-    fingerprint_ = fingerprint(model, settings)
     plan = interleave(ids, first_chunk=settings.first_chunk, stride=settings.stride, intervals=settings.interval)
     done, raw_done = finished_chunks(len(ids), settings)
-    layers = model.config.num_hidden_layers
-
-    kv_heads, head_dim = _kv_shape(model)
-    dtype = next(model.parameters()).dtype
-    # L2 goes straight into preallocated CPU tensors (no second copy when the build ends); pinned
-    # when the model is on CUDA so the per-layer copies can overlap with compute.
-    pin = device.type == "cuda"
-    l2_keys = torch.empty(layers, kv_heads, raw_done, head_dim, dtype=dtype, pin_memory=pin)
-    l2_values = torch.empty(layers, kv_heads, raw_done, head_dim, dtype=dtype, pin_memory=pin)
-    raw_before = 0  # raw tokens of the chunks already built = where this chunk's L2 goes
-    # L1 of every finished chunk, preallocated: a chunk writes (and rotates) only its own entries,
-    # so building costs O(chunks), not O(chunks^2) re-concatenations and re-rotations.
-    num_l1 = int(plan.is_l1[: _finished_len(plan, done)].sum())
-    l1_keys = torch.empty(layers, kv_heads, num_l1, head_dim, dtype=dtype, device=device)  # pre-RoPE
-    l1_rot = torch.empty_like(l1_keys)  # rotated to memory positions 0..m-1
-    l1_val = torch.empty_like(l1_keys)
-    l1_before = 0  # L1 entries of the chunks already built
+    store = _BuildStore.allocate(model, raw_done, int(plan.is_l1[: _finished_len(plan, done)].sum()), device)
     rope = Rope.of(model)
-
-    chunks = range(done)
-    if progress is None:
-        progress = done > 4
-    if progress:
-        from tqdm.auto import tqdm
-
-        chunks = tqdm(chunks, desc="building cache", unit="chunk")
-    for t in chunks:
+    for t in _chunk_range(done, progress):
         sel = plan.chunk_ids == t
         is_l1 = torch.as_tensor(plan.is_l1[sel], device=device)
         l1_pos = torch.nonzero(is_l1, as_tuple=False).reshape(-1)
         raw_pos = torch.nonzero(~is_l1, as_tuple=False).reshape(-1)
-
-        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-            # L2 leaves the device as soon as a layer produced it; L1 stays.
-            end = raw_before + raw_pos.numel()
-            l2_keys[layer, :, raw_before:end].copy_(key[0].index_select(1, raw_pos), non_blocking=pin)
-            l2_values[layer, :, raw_before:end].copy_(value[0].index_select(1, raw_pos), non_blocking=pin)
-            new = slice(l1_before, l1_before + l1_pos.numel())
-            l1_keys[layer, :, new] = key[0].index_select(1, l1_pos)
-            l1_val[layer, :, new] = value[0].index_select(1, l1_pos)
-
-        prefix = None
-        if l1_before > 0:
-            m = l1_before
-            prefix = lambda layer: (l1_rot[layer, :, :m][None], l1_val[layer, :, :m][None])  # noqa: E731
         with torch.no_grad():
             acre_forward(
                 model, input_ids=_t(plan.input_ids[sel], device)[None], is_l1=is_l1[None],
@@ -319,25 +280,89 @@ def build_cache(
                 positions=_t(plan.positions[sel], device)[None],
                 memory_positions=_t(plan.memory_positions[sel], device)[None],
                 kernel="chunked", backend=kernel_backend,
-                prefix=prefix, capture=capture,
+                prefix=store.l1_prefix(), capture=store.capture(l1_pos, raw_pos),
             )
-        new = slice(l1_before, l1_before + l1_pos.numel())
-        l1_rot[:, :, new] = rope.rotate(l1_keys[:, :, new], torch.arange(new.start, new.stop))
-        l1_before = new.stop
-        raw_before += int(raw_pos.numel())
+        store.close_chunk(rope, l1_pos.numel(), raw_pos.numel())
         if on_chunk is not None:
             on_chunk(t + 1, done)
-    if pin:
+    if store.pinned:
         torch.cuda.synchronize(device)  # the non-blocking L2 copies have landed
 
     bounds, carry = span_layout(plan, done, raw_done)
     return BiLayerCache(
-        settings=settings, fingerprint=fingerprint_,
-        l1_keys=l1_keys, l1_keys_rot=l1_rot, l1_values=l1_val, l2_keys=l2_keys, l2_values=l2_values,
+        settings=settings, fingerprint=fingerprint(model, settings),
+        l1_keys=store.l1_keys, l1_keys_rot=store.l1_rot, l1_values=store.l1_values,
+        l2_keys=store.l2_keys, l2_values=store.l2_values,
         span_bounds=torch.as_tensor(bounds, dtype=torch.int64),
         tail_ids=ids[raw_done:].tolist(), carry=carry,
         num_context_tokens=len(ids), context_digest=context_digest(ids),
     )
+
+
+def _chunk_range(done: int, progress: bool | None):
+    """The finished chunks' indices, with a bar when asked (default: more than 4 chunks)."""
+    if not (done > 4 if progress is None else progress):
+        return range(done)
+    from tqdm.auto import tqdm
+
+    return tqdm(range(done), desc="building cache", unit="chunk")
+
+
+@dataclass
+class _BuildStore:
+    """Where a cache build writes, chunk after chunk, all of it preallocated.
+
+    L2 (raw tokens) goes straight into CPU tensors, pinned when the model is on CUDA so the per-layer
+    copies overlap with compute, and never copied again. L1 stays on the device; each chunk writes
+    (and rotates to memory positions) only its own entries, so a build costs O(chunks), not O(chunks^2)
+    re-concatenations and re-rotations.
+    """
+
+    l2_keys: torch.Tensor  # [layers, kv_heads, raw tokens, head_dim] (CPU)
+    l2_values: torch.Tensor
+    l1_keys: torch.Tensor  # [layers, kv_heads, L1 entries, head_dim], pre-RoPE (device)
+    l1_rot: torch.Tensor  # the same, rotated to memory positions 0..m-1
+    l1_values: torch.Tensor
+    pinned: bool
+    raw_before: int = 0  # raw tokens of the chunks already built = where the next chunk's L2 goes
+    l1_before: int = 0  # L1 entries of the chunks already built
+
+    @classmethod
+    def allocate(cls, model: nn.Module, num_raw: int, num_l1: int, device: torch.device) -> "_BuildStore":
+        layers = model.config.num_hidden_layers
+        kv_heads, head_dim = _kv_shape(model)
+        dtype = next(model.parameters()).dtype
+        pin = device.type == "cuda"
+        l2 = [torch.empty(layers, kv_heads, num_raw, head_dim, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        l1_keys = torch.empty(layers, kv_heads, num_l1, head_dim, dtype=dtype, device=device)
+        return cls(l2[0], l2[1], l1_keys, torch.empty_like(l1_keys), torch.empty_like(l1_keys), pin)
+
+    def l1_prefix(self) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None:
+        """The L1 memory built so far, as the next chunk's KV prefix (rotated keys, values) per layer."""
+        m = self.l1_before
+        if m == 0:
+            return None
+        return lambda layer: (self.l1_rot[layer, :, :m][None], self.l1_values[layer, :, :m][None])
+
+    def capture(self, l1_pos: torch.Tensor, raw_pos: torch.Tensor):
+        """The capture hook of one chunk: L2 leaves the device as soon as a layer produced it; L1 stays."""
+        raw = slice(self.raw_before, self.raw_before + raw_pos.numel())
+        new = slice(self.l1_before, self.l1_before + l1_pos.numel())
+
+        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+            self.l2_keys[layer, :, raw].copy_(key[0].index_select(1, raw_pos), non_blocking=self.pinned)
+            self.l2_values[layer, :, raw].copy_(value[0].index_select(1, raw_pos), non_blocking=self.pinned)
+            self.l1_keys[layer, :, new] = key[0].index_select(1, l1_pos)
+            self.l1_values[layer, :, new] = value[0].index_select(1, l1_pos)
+
+        return capture
+
+    def close_chunk(self, rope: Rope, num_l1: int, num_raw: int) -> None:
+        """Rotate the chunk's new L1 keys to their memory positions; move both write heads on."""
+        new = slice(self.l1_before, self.l1_before + num_l1)
+        self.l1_rot[:, :, new] = rope.rotate(self.l1_keys[:, :, new], torch.arange(new.start, new.stop))
+        self.l1_before = new.stop
+        self.raw_before += num_raw
 
 
 def context_digest(ids: Sequence[int] | np.ndarray) -> str:

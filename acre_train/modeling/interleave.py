@@ -164,63 +164,81 @@ def interleave(
     ([0, 0, 0, 0, 1, 1, 1], [0, 1, 2, 3, 1, 2, 3])
     """
     raw = np.asarray(raw_ids, dtype=np.int64).reshape(-1)
-    n = int(raw.shape[0])
-    bounds = chunk_bounds(n, first_chunk, stride)
-    if isinstance(intervals, (int, np.integer)):
-        intervals = [int(intervals)] * len(bounds)
-    intervals = tuple(int(v) for v in intervals)
-    if len(intervals) != len(bounds):
-        raise ValueError(
-            f"got {len(intervals)} intervals for {len(bounds)} chunks "
-            f"({n} raw tokens, first_chunk={first_chunk}, stride={stride})"
-        )
-    _check_positive(**{f"interval of chunk {t}": v for t, v in enumerate(intervals)})
+    bounds = chunk_bounds(int(raw.shape[0]), first_chunk, stride)
+    intervals = _per_chunk(intervals, bounds, first_chunk, stride)
     if carry_in < 0 or memory_offset < 0:
         raise ValueError("carry_in and memory_offset must be >= 0")
-
     targets = _shifted_targets(raw, raw_labels)
+    l1_after, carry = _l1_offsets(bounds, intervals, carry_in)
 
-    # For every chunk: the raw offsets (1-based inside the chunk) after which an L1 token goes.
-    l1_after: list[np.ndarray] = []
-    carry = carry_in
-    for (start, end), interval in zip(bounds, intervals):
-        size = end - start
-        first = max(interval - carry, 1)
-        after = np.arange(first, size + 1, interval, dtype=np.int64)
-        l1_after.append(after)
-        carry = size - int(after[-1]) if after.size else carry + size
-
-    pieces: dict[str, list[np.ndarray]] = {k: [] for k in (
-        "input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels", "raw_index")}
+    pieces: dict[str, list[np.ndarray]] = {k: [] for k in _PLAN_ARRAYS}
     num_l1_before = memory_offset
     for t, ((start, end), after) in enumerate(zip(bounds, l1_after)):
-        size = end - start
-        length = size + after.size
-        # Slot of raw token r (0-based in chunk) = r + number of L1 tokens inserted before it.
-        raw_slot = np.arange(size) + np.searchsorted(after, np.arange(size), side="right")
-        l1_slot = after + np.arange(after.size)  # the k-th L1 follows raw offset after[k]
-        is_l1 = np.zeros(length, dtype=bool)
-        is_l1[l1_slot] = True
-        ids = np.full(length, l1_token_id, dtype=np.int64)
-        ids[raw_slot] = raw[start:end]
-        labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
-        labels[raw_slot] = targets[start:end]
-        raw_index = np.full(length, -1, dtype=np.int64)
-        raw_index[raw_slot] = np.arange(start, end)
-        mem_pos = np.full(length, -1, dtype=np.int64)
-        mem_pos[l1_slot] = num_l1_before + np.arange(after.size)
-        pieces["input_ids"].append(ids)
-        pieces["is_l1"].append(is_l1)
-        pieces["chunk_ids"].append(np.full(length, t, dtype=np.int64))
-        pieces["positions"].append(num_l1_before + np.arange(length, dtype=np.int64))
-        pieces["memory_positions"].append(mem_pos)
-        pieces["labels"].append(labels)
-        pieces["raw_index"].append(raw_index)
+        chunk = _lay_out_chunk(raw[start:end], targets[start:end], start, after, l1_token_id, num_l1_before)
+        chunk["chunk_ids"] = np.full(len(chunk["input_ids"]), t, dtype=np.int64)
+        for key, array in chunk.items():
+            pieces[key].append(array)
         num_l1_before += after.size
 
     arrays = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in pieces.items()}
     arrays["is_l1"] = arrays["is_l1"].astype(bool)
     return InterleavePlan(**arrays, intervals=intervals, carry_out=carry)
+
+
+_PLAN_ARRAYS = ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels", "raw_index")
+
+
+def _per_chunk(intervals: int | Sequence[int], bounds: list[tuple[int, int]], first_chunk: int,
+               stride: int) -> tuple[int, ...]:
+    """``l_t`` for every chunk (one int means the same for all), checked against the chunk count."""
+    if isinstance(intervals, (int, np.integer)):
+        intervals = [int(intervals)] * len(bounds)
+    intervals = tuple(int(v) for v in intervals)
+    if len(intervals) != len(bounds):
+        n = bounds[-1][1] if bounds else 0
+        raise ValueError(
+            f"got {len(intervals)} intervals for {len(bounds)} chunks "
+            f"({n} raw tokens, first_chunk={first_chunk}, stride={stride})"
+        )
+    _check_positive(**{f"interval of chunk {t}": v for t, v in enumerate(intervals)})
+    return intervals
+
+
+def _l1_offsets(bounds: list[tuple[int, int]], intervals: tuple[int, ...],
+                carry_in: int) -> tuple[list[np.ndarray], int]:
+    """For every chunk, the raw offsets (1-based inside the chunk) after which an L1 token goes, and
+    the raw tokens left over after the last L1 token (they count towards the next chunk's first group)."""
+    l1_after: list[np.ndarray] = []
+    carry = carry_in
+    for (start, end), interval in zip(bounds, intervals):
+        size = end - start
+        after = np.arange(max(interval - carry, 1), size + 1, interval, dtype=np.int64)
+        l1_after.append(after)
+        carry = size - int(after[-1]) if after.size else carry + size
+    return l1_after, carry
+
+
+def _lay_out_chunk(raw: np.ndarray, targets: np.ndarray, start: int, after: np.ndarray, l1_token_id: int,
+                   num_l1_before: int) -> dict[str, np.ndarray]:
+    """One chunk's slots: raw tokens with an L1 slot after each offset in ``after``, their ids, labels,
+    positions (continuing after the ``num_l1_before`` earlier L1 tokens) and memory positions."""
+    size = len(raw)
+    length = size + after.size
+    # Slot of raw token r (0-based in chunk) = r + number of L1 tokens inserted before it.
+    raw_slot = np.arange(size) + np.searchsorted(after, np.arange(size), side="right")
+    l1_slot = after + np.arange(after.size)  # the k-th L1 follows raw offset after[k]
+    is_l1 = np.zeros(length, dtype=bool)
+    is_l1[l1_slot] = True
+    ids = np.full(length, l1_token_id, dtype=np.int64)
+    ids[raw_slot] = raw
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    labels[raw_slot] = targets
+    raw_index = np.full(length, -1, dtype=np.int64)
+    raw_index[raw_slot] = np.arange(start, start + size)
+    memory_positions = np.full(length, -1, dtype=np.int64)
+    memory_positions[l1_slot] = num_l1_before + np.arange(after.size)
+    return {"input_ids": ids, "is_l1": is_l1, "positions": num_l1_before + np.arange(length, dtype=np.int64),
+            "memory_positions": memory_positions, "labels": labels, "raw_index": raw_index}
 
 
 def _shifted_targets(raw: np.ndarray, raw_labels) -> np.ndarray:
