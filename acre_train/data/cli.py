@@ -6,17 +6,8 @@ import argparse
 from typing import Any
 
 from .errors import DataError
-from .settings import PAPER_INTERVALS, Stage1Settings, Stage2Settings, WindowGeometry
-
-
-def _intervals(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"intervals must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"intervals must be positive integers, got {text!r}")
-    return values
+from ..modeling.geometry import add_geometry_flags
+from .settings import Stage1Settings, Stage2Settings, WindowGeometry
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -32,10 +23,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="tokenizer path or hub name, or 'tiny' (built-in test tokenizer) (default: %(default)s)")
     plan = p.add_argument_group("interleave plan (recorded in the manifest)")
     paper = WindowGeometry()
-    plan.add_argument("--first-chunk", type=int, default=paper.first_chunk, metavar="W0", help="raw tokens in chunk 0 (default: %(default)s)")
-    plan.add_argument("--stride", type=int, default=paper.stride, metavar="S", help="raw tokens per later chunk (default: %(default)s)")
-    plan.add_argument("--intervals", type=_intervals, default=PAPER_INTERVALS, metavar="L,L,...",
-                      help=f"L1 intervals drawn per chunk (default: {','.join(map(str, PAPER_INTERVALS))})")
+    add_geometry_flags(plan, ("first_chunk", "stride", "intervals"),
+                       {"first_chunk": paper.first_chunk, "stride": paper.stride, "intervals": paper.intervals})
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--l1-token-id", type=int, default=None, help="id at L1 slots (default: the tokenizer's EOS)")
     run = p.add_argument_group("run")

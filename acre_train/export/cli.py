@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..modeling.geometry import WindowGeometry
+from ..modeling.geometry import INFERENCE_KEYS, WindowGeometry, add_geometry_flags
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -21,12 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="dtype of the written weights (default: the base model's)")
     paper = WindowGeometry()
-    for name, symbol, default in (
-            ("first-chunk", "W0", "the run's data.prepare.first_chunk"), ("stride", "S", "the run's data.prepare.stride"),
-            ("interval", "l", "16 if the run drew it, else the middle of its intervals"),
-            ("working-window", "W", f"{paper.working_window}, the paper's"), ("max-refill", "eta", f"{paper.max_refill}, the paper's")):
-        parser.add_argument(f"--{name}", type=int, default=None,
-                            help=f"default inference {symbol} stored in the export (default: {default})")
+    add_geometry_flags(parser.add_argument_group("inference defaults stored in the export"), INFERENCE_KEYS, default_help={
+        "first_chunk": "what the run trained with", "stride": "what the run trained with",
+        "interval": "16 if the run drew it, else the middle of its intervals",
+        "working_window": f"{paper.working_window}, the paper's", "max_refill": f"{paper.max_refill}, the paper's"})
     parser.add_argument("--overwrite", action="store_true", help="replace an existing ACRE export in OUT_DIR")
 
 

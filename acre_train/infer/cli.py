@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from ..measure import PeakMemory
+from ..modeling.geometry import add_geometry_flags
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,13 +20,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="model dtype (default: the export's; use float32 on CPU)")
-    g = parser.add_argument_group("chunking (fixed per cache; defaults stored in the export)")
-    g.add_argument("--first-chunk", type=int, default=None, help="W0, raw tokens in the first chunk")
-    g.add_argument("--stride", type=int, default=None, help="S, raw tokens in every later chunk")
-    g.add_argument("--interval", type=int, default=None, help="l, raw tokens per L1 token")
+    add_geometry_flags(parser.add_argument_group("chunking (fixed per cache; defaults stored in the export)"),
+                       ("first_chunk", "stride", "interval"))
     g = parser.add_argument_group("refilling and decoding (per question)")
-    g.add_argument("--working-window", type=int, default=None, help="W, max L1 entries + refilled tokens")
-    g.add_argument("--max-refill", type=int, default=None, help="eta, max refilled raw tokens")
+    add_geometry_flags(g, ("working_window", "max_refill"))
     g.add_argument("--scorer", default=None, metavar="SPEC",
                    help="how spans are ranked: l1 | l2 | bounds with options, e.g. 'l2:layers=3,heads=max,sinks=4' "
                         "(default: the export's, written by 'acre-train calibrate'; else 'l1:layers=-1')")

@@ -26,6 +26,49 @@ INFERENCE_INTERVAL = 16
 INFERENCE_KEYS = ("first_chunk", "stride", "interval", "working_window", "max_refill")
 
 
+# Each geometry key's command-line flag, the paper's symbol and what it is: one spelling in every verb.
+FLAGS = {
+    "first_chunk": ("W0", "raw tokens in the first chunk"),
+    "stride": ("S", "raw tokens in every later chunk"),
+    "intervals": ("L,L,...", "L1 intervals drawn per chunk"),
+    "interval": ("l", "raw tokens per L1 token"),
+    "working_window": ("W", "max L1 entries + refilled tokens"),
+    "max_refill": ("eta", "max refilled raw tokens"),
+}
+
+
+def add_geometry_flags(group, keys: tuple[str, ...], defaults: Mapping[str, Any] | None = None,
+                       default_help: Mapping[str, str] | None = None) -> None:
+    """``--first-chunk W0 ...`` for the given geometry keys on an argparse parser or group.
+
+    ``defaults``: the value each flag takes when not given (missing: ``None``, i.e. the caller's source
+    decides: the run, the export); ``default_help`` says in words where that default comes from.
+    ``intervals`` takes comma-separated integers. The values land under the keys' own names
+    (``args.first_chunk`` ...), ready for :meth:`WindowGeometry.with_overrides`.
+    """
+    defaults, default_help = dict(defaults or {}), dict(default_help or {})
+    for key in keys:
+        symbol, what = FLAGS[key]
+        default = defaults.get(key)
+        said = default_help.get(key) or (",".join(map(str, default)) if key == "intervals" and default else default)
+        tail = f" (default: {said})" if said is not None else ""
+        group.add_argument("--" + key.replace("_", "-"), type=_intervals_flag if key == "intervals" else int,
+                           default=default, metavar=symbol,
+                           help=f"{what if key == 'intervals' else symbol + ', ' + what}{tail}")
+
+
+def _intervals_flag(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"intervals must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"intervals must be positive integers, got {text!r}")
+    return values
+
+
 @dataclass(frozen=True)
 class WindowGeometry:
     """Chunking, L1 intervals and refill budget (paper defaults). ``interval``: the one inference uses."""
