@@ -7,7 +7,9 @@ measured / floor is the arm's implementation overhead alone, not its algorithm:
 * prefill: the weights' FLOPs for every row, attention's for every (row, key) pair and one LM-head
   row, at the fp32 matmul rate; or the time to read the weights once, whichever is longer;
 * each decoding step after the first token: reading the weights and the attended KV once, at the
-  measured read bandwidth.
+  measured read bandwidth;
+* a cache build (full attention's prefill, ACRE's chunked build): the weights' FLOPs for every row
+  and attention's for every (row, key) pair it attends, at the matmul rate.
 
     rates = machine_rates("cpu")
     question_floor(model, rows=32, keys=8192 + 32, new_tokens=8, rates=rates)["floor_question_s"]
@@ -37,13 +39,47 @@ def machine_rates(device: str) -> dict[str, float]:
     return {"gflops": max(flops), "gbps": max(read)}
 
 
+def _shape(model) -> tuple[int, int, int, int, int]:
+    """(layers, heads, kv heads, head dim, body parameters) of the base (L1 projections not counted)."""
+    cfg = model.config
+    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and ".acre_" not in n)
+    return (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            model.model.layers[0].self_attn.head_dim, body)
+
+
+def build_floor(model, *, rows: float, pairs: float, rates: dict[str, float]) -> float:
+    """Floor (s) of running ``rows`` token rows through every layer, attending ``pairs`` (row, key) pairs
+    in all: the weights' and attention's FLOPs at the matmul rate (one LM-head row)."""
+    layers, heads, _, head_dim, body = _shape(model)
+    flops = 2 * body * rows + 4 * layers * heads * head_dim * pairs + 2 * model.lm_head.weight.numel()
+    return flops / (rates["gflops"] * 1e9)
+
+
+def acre_build_work(num_raw: int, first_chunk: int, stride: int, interval: int) -> tuple[int, int]:
+    """(rows, attended pairs) of ACRE's cache build: every finished chunk's rows (raw + L1) attend the
+    L1 entries of the chunks before it and themselves, causally."""
+    from acre_train.infer.cache import finished_chunks
+    from acre_train.infer.settings import CacheSettings
+    from acre_train.modeling.interleave import interleave
+
+    import numpy as np
+
+    done, raw_done = finished_chunks(num_raw, CacheSettings(first_chunk, stride, interval))
+    plan = interleave(np.zeros(raw_done, dtype=np.int64), first_chunk=first_chunk, stride=stride, intervals=interval)
+    rows = pairs = memory = 0
+    for t in range(done):
+        sel = plan.chunk_ids == t
+        r = int(sel.sum())
+        rows += r
+        pairs += r * memory + r * (r + 1) // 2
+        memory += int(plan.is_l1[sel].sum())
+    return rows, pairs
+
+
 def question_floor(model, *, rows: float, keys: float, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
     """Floor of answering with ``rows`` token rows through every layer, each attending ``keys`` KV
     entries (the mean), then ``new_tokens - 1`` decoding steps over ``keys`` entries (fp32 weights)."""
-    cfg = model.config
-    layers, heads, kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = model.model.layers[0].self_attn.head_dim
-    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and ".acre_" not in n)
+    layers, heads, kv_heads, head_dim, body = _shape(model)
     head = model.lm_head.weight.numel()
     prefill_flops = 2 * body * rows + 4 * layers * heads * head_dim * rows * keys + 2 * head
     weight_bytes = 4 * (body + head)

@@ -13,7 +13,9 @@ device, L2 in CPU memory). Every (method, size) runs in its own process so peaks
 
 Per question, the time is split: ACRE into scoring (the open chunk over the L1 cache), refill gather,
 prefill (the open chunk, i.e. the raw tail of the unfinished last chunk plus the question, over the
-refilled cache) and decoding; full attention into the question prefill and decoding.
+refilled cache) and decoding; full attention into the question prefill and decoding. Each arm's build
+and question are printed beside their floor (benchmarks/floors.py: the work the arm chose, at this
+machine's matmul rate and read bandwidth measured in the same run).
 
 The model is random (costs do not depend on weights): Qwen2-shaped, 2 layers, hidden 128, 2 query
 heads / 1 KV head, fp32. Settings default to the paper's: W0 4096, S 2048, l 16, W 32K, eta 4096.
@@ -33,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from floors import machine_rates, question_floor  # noqa: E402
+from floors import acre_build_work, build_floor, machine_rates, question_floor  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,10 +123,26 @@ def run_acre(args, size: int, close_tail: bool = False) -> dict:
                 latencies.append(time.perf_counter() - tic)
     sizes = cache.nbytes()
     a = answers[-1]
+    rates = machine_rates(args.device)
+    rows, pairs = acre_build_work(size, args.first_chunk, args.stride, args.interval)
     return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
             "device_kv_mib": sizes["l1"] / 2**20, "cpu_kv_mib": sizes["l2"] / 2**20,
             "working_cache_mib": _kv_mib(model, a.cache_length), "num_l1": cache.num_l1, "k": a.k,
-            "cache_length": a.cache_length, **{k: v for k, v in a.timings.items()}}
+            "cache_length": a.cache_length, "open_chunk": a.open_chunk, **{k: v for k, v in a.timings.items()},
+            **rates, "floor_build_s": build_floor(model, rows=rows, pairs=pairs, rates=rates),
+            **acre_floor(model, engine, a, args.new_tokens, rates)}
+
+
+def acre_floor(model, engine, answer, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
+    """ACRE's question floor: the scoring pass (the open chunk through the scoring layers, over the L1
+    cache), the open chunk's prefill over the refilled cache, then decoding over both."""
+    n, cache_len = answer.open_chunk, answer.cache_length
+    layers = engine.refill.scorer.resolved_layers(model.config.num_hidden_layers)
+    depth = (max(layers) + 1) / model.config.num_hidden_layers  # the scoring pass stops at its last layer
+    score = question_floor(model, rows=n, keys=answer.num_l1 + n / 2, new_tokens=1, rates=rates)["floor_prefill_s"]
+    rest = question_floor(model, rows=n, keys=cache_len + n / 2, new_tokens=new_tokens, rates=rates)
+    return {"floor_score_s": depth * score, "floor_prefill_s": rest["floor_prefill_s"],
+            "floor_decode_s": rest["floor_decode_s"], "floor_question_s": depth * score + rest["floor_question_s"]}
 
 
 def full_floor(model, context: int, question: int, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
@@ -179,7 +197,7 @@ def run_full(args, size: int) -> dict:
                         splits.append(split)
                     cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
     kv = _kv_mib(model, size)
-    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
+    return {"build_s": min(builds), "floor_build_s": build_floor(model, rows=size, pairs=size * (size + 1) / 2, rates=rates), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
             "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size,
             "cache": args.full_cache, **rates, **full_floor(model, size, args.question_tokens, args.new_tokens, rates),
             **{key: statistics.median(s[key] for s in splits) for key in ("prefill_s", "decode_s")}}
@@ -255,6 +273,14 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
         print(f"        per question: {split} s")
     print(f"  full / ACRE: build {ratio('build_s')}, per question {ratio('question_s')}, peak memory {ratio('peak_mib')}, "
           f"device KV {ratio('device_kv_mib')}, attended cache {ratio('working_cache_mib')}")
+    for name, r in (("ACRE", acre), ("full", full)):
+        if "floor_build_s" in r:
+            print(f"  {name} build {r['build_s']:.2f}s against its floor {r['floor_build_s']:.2f}s "
+                  f"({r['build_s'] / r['floor_build_s']:.2f}x), peak +{r['peak_mib']:.0f} MiB")
+    if "floor_question_s" in acre:
+        print(f"  ACRE's floor: question {acre['floor_question_s']:.3f}s = score {acre['floor_score_s']:.3f} + prefill "
+              f"{acre['floor_prefill_s']:.3f} + decode {acre['floor_decode_s']:.3f} (open chunk {acre['open_chunk']} tokens); "
+              f"measured {acre['question_s']:.3f}s = {acre['question_s'] / acre['floor_question_s']:.2f}x the floor")
     if "floor_question_s" in full:
         print(f"  full's floor ({full['cache']} cache; matmul {full['gflops']:.0f} GFLOP/s, read {full['gbps']:.1f} GB/s "
               f"measured now): question {full['floor_question_s']:.3f}s = prefill {full['floor_prefill_s']:.3f} + decode "

@@ -47,7 +47,8 @@ def test_inference_cost_runs_small_with_the_closed_tail_beside():
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ACRE closed tail" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout
-    assert "full's floor (growing cache" in out.stdout
+    assert "full's floor (growing cache" in out.stdout and "ACRE's floor: question" in out.stdout
+    assert "ACRE build" in out.stdout and "full build" in out.stdout and "against its floor" in out.stdout
 
 
 def test_methods_cost_runs_small_with_each_methods_floor_beside():
