@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import run as scorer_study  # noqa: E402
 from run import EVAL_SEEDS, REPO, log  # noqa: E402
-from sim import STAGE1, plain_cell, plain_setting  # noqa: E402
+from sim import STAGE1, plain_cell, plain_setting, publish_cell  # noqa: E402
 
 ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "docs/real-base/adapters/stage2-sim-lora-step120+120.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
@@ -160,13 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             out = root / "eval" / "ladder" / row / str(length) / task
             methods = ("full," if args.full else "") + setting
             scorer_study.evaluate(exported[row], length, task, held, out, seeds, rows=methods, adapter=row)
-            docs = Path(args.docs) / str(length) / task / row
-            shutil.rmtree(docs, ignore_errors=True)
-            docs.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(out, docs)
-            comparison = scorer_study.paired(plain, "acre", out, setting)
-            (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
-            log(f"cell {length}/{task} {row}: {json.dumps(comparison)}")
+            publish_cell(out, Path(args.docs) / str(length) / task / row, plain, setting, f"{length}/{task} {row}")
     return 0
 
 

@@ -132,6 +132,16 @@ def plain_setting(calibration: Path) -> str:
             f"keep_sinks={int(s['keep_sinks'])}:neighbors={int(chosen['neighbors'])}")
 
 
+def publish_cell(out: Path, docs: Path, plain: Path, row: str, name: str) -> None:
+    """Copy a finished cell to ``docs`` with its paired comparison against the plain row's cell."""
+    shutil.rmtree(docs, ignore_errors=True)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(out, docs)
+    comparison = scorer_study.paired(plain, "acre", out, row)
+    (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    log(f"cell {name}: {json.dumps(comparison)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article)")
@@ -161,13 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         out = root / "eval" / "sim" / str(length) / task
         scorer_study.evaluate(exported, length, task, root / "streams" / "squad-heldout.json", out, seeds, rows=row,
                               adapter=RUN_NAME)
-        docs = Path(args.docs) / str(length) / task
-        docs.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(docs, ignore_errors=True)
-        shutil.copytree(out, docs)
-        comparison = scorer_study.paired(plain, "acre", out, row)
-        (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
-        log(f"cell {spec}: {json.dumps(comparison)}")
+        publish_cell(out, Path(args.docs) / str(length) / task, plain, row, spec)
     return 0
 
 
