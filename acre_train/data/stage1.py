@@ -111,12 +111,15 @@ def stage1_row(sample_index: int, segments: list[Segment], fetch, sources, setti
 
 
 def _map_span(example: dict, docs, settings: Stage1Settings, eos_id: int, l1_id: int) -> dict:
+    # Straight from the memory-mapped Arrow table: ``docs[i]`` would format the whole row (a document's
+    # token list into Python) for each segment, which cost more than the interleaving itself.
+    table = docs.data
+
     def fetch(d):
-        return docs[int(d)]["input_ids"]
+        return table.column("input_ids")[int(d)].values.to_numpy(zero_copy_only=False)
 
     def sources(d):
-        row = docs[int(d)]
-        return row["source"], row["meta"]
+        return table.column("source")[int(d)].as_py(), table.column("meta")[int(d)].as_py()
 
     segments = [tuple(int(v) for v in seg) for seg in example["segments"]]
     return stage1_row(example["sample_index"], segments, fetch, sources, settings, eos_id, l1_id)
@@ -150,8 +153,8 @@ def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
     plan = datasets.Dataset.from_dict(
         {"sample_index": list(range(len(spans))), "segments": [[list(s) for s in span] for span in spans]})
     rows = plan.map(
-        _map_span, fn_kwargs={"docs": docs.with_format("numpy", columns=["input_ids"], output_all_columns=True),
-                              "settings": settings, "eos_id": prep.tokenizer.eos_token_id, "l1_id": prep.l1_id},
+        _map_span, fn_kwargs={"docs": docs, "settings": settings, "eos_id": prep.tokenizer.eos_token_id,
+                              "l1_id": prep.l1_id},
         remove_columns=["segments"], features=features(1),
         num_proc=settings.num_proc if settings.num_proc > 1 else None,
         cache_file_name=str(prep.work / "rows.arrow"), new_fingerprint=prep.key[:32], desc="interleaving",

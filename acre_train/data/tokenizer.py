@@ -40,8 +40,37 @@ def auto_tokenizer(name: str, **kwargs: Any) -> Any:
     return AutoTokenizer.from_pretrained(name, **kwargs)
 
 
+_LOADED: dict[tuple, Any] = {}
+
+
+def _files_key(name: str) -> tuple:
+    """What identifies a tokenizer's files now: the folder's tokenizer files and their change times
+    (a hub name or ``tiny`` is its own key)."""
+    from pathlib import Path
+
+    from ..base.fetch import resolve_source
+
+    folder = Path(resolve_source(name))
+    files = sorted(folder.glob("tokenizer*")) + sorted(folder.glob("special_tokens_map.json")) if folder.is_dir() else []
+    return (name, str(folder), *((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
 def load_tokenizer(name: str) -> Any:
-    """``"tiny"`` / ``"tiny:<vocab>"``: :func:`tiny_tokenizer`; anything else: :func:`auto_tokenizer`."""
+    """``"tiny"`` / ``"tiny:<vocab>"``: :func:`tiny_tokenizer`; anything else: :func:`auto_tokenizer`.
+
+    Loaded once per process and files: a real tokenizer takes seconds to parse, and a training run
+    opens it several times (validation, the data key, preparation, export).
+    """
+    if name == "tiny" or name.startswith("tiny:"):
+        return _load_tokenizer(name)  # quick to load, and a fresh object callers may change
+    key = _files_key(name)
+    if key not in _LOADED:
+        _LOADED.clear()  # one at a time: a process rarely switches, and a tokenizer can hold 100s of MB
+        _LOADED[key] = _load_tokenizer(name)
+    return _LOADED[key]
+
+
+def _load_tokenizer(name: str) -> Any:
     if name == "tiny" or name.startswith("tiny:"):
         from .tiny_tokenizer import tiny_tokenizer
 
