@@ -176,8 +176,8 @@ def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Pat
     model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
     scorer = None
     if card.get("learned_scorer"):  # the card's learned scorer (modeling/learned_scorer.py) travels with the export
-        from .infer.learned_scorer import QueryMap
-        from .infer.scorers import ScorerSettings
+        from .modeling.learned_scorer import QueryMap
+        from .modeling.scorers import ScorerSettings
 
         path = files("acre_train.resources").joinpath(f"adapters/{card['learned_scorer']['file']}")
         scorer = (QueryMap.load(str(path)), ScorerSettings.parse(card["inference"]["scorer"]).describe())
