@@ -8,7 +8,9 @@ report ``world_size == 1`` under the deepspeed launcher on CPU).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,11 +86,30 @@ def setup(use_deepspeed: bool, timeout_s: int | None = None) -> DistInfo:
         import deepspeed
 
         if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend=backend, **timeout)
+            with _without_shm_kernel(cuda):
+                deepspeed.init_distributed(dist_backend=backend, **timeout)
     elif world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, **timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, device=device)
+
+
+@contextmanager
+def _without_shm_kernel(cuda: bool) -> Iterator[None]:
+    """On CPU, DeepSpeed JIT-compiles a shared-memory allreduce kernel on first use (a minute of C++ on two
+    cores, per machine) that only speeds up large allreduces between ranks of one node; CPU runs are tiny
+    recipes and tests, and gloo serves them. ``ACRE_TRAIN_DS_SHM=1`` builds and uses the kernel."""
+    import deepspeed.comm.torch as ds_torch
+
+    if cuda or os.environ.get("ACRE_TRAIN_DS_SHM") == "1" or not hasattr(ds_torch, "build_shm_op"):
+        yield
+        return
+    build = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None  # DeepSpeed's own fallback when the kernel is unavailable
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
 
 
 def teardown() -> None:
