@@ -124,3 +124,17 @@ def test_zero2_resume_matches_and_checkpoint_is_l1_only(runs):
     fp32 = consolidate_zero(checkpoint / "ds")  # weights_only=True with the DeepSpeed allow-list
     for name, tensor in ours.items():
         torch.testing.assert_close(fp32["model." + name], tensor, atol=0, rtol=0)
+
+
+def test_cpu_deepspeed_ranks_skip_the_shared_memory_kernel_build(monkeypatch):
+    """The patch must reach the module DeepSpeed calls it from (it once landed on ``torch`` instead, and
+    every CPU launch paid a minute of C++)."""
+    import importlib
+
+    from acre_train.train.distributed import _skip_shm_kernel
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    monkeypatch.setattr(ds_torch, "build_shm_op", lambda: pytest.fail("the kernel would be built"))
+    monkeypatch.delenv("ACRE_TRAIN_DS_SHM", raising=False)
+    _skip_shm_kernel(cuda=False)
+    assert ds_torch.build_shm_op() is None

@@ -7,10 +7,9 @@ report ``world_size == 1`` under the deepspeed launcher on CPU).
 
 from __future__ import annotations
 
+import importlib
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -85,31 +84,29 @@ def setup(use_deepspeed: bool, timeout_s: int | None = None) -> DistInfo:
         os.environ.setdefault("WORLD_SIZE", "1")
         import deepspeed
 
+        _skip_shm_kernel(cuda)
         if not dist.is_initialized():
-            with _without_shm_kernel(cuda):
-                deepspeed.init_distributed(dist_backend=backend, **timeout)
+            deepspeed.init_distributed(dist_backend=backend, **timeout)
     elif world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, **timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, device=device)
 
 
-@contextmanager
-def _without_shm_kernel(cuda: bool) -> Iterator[None]:
+def _skip_shm_kernel(cuda: bool) -> None:
     """On CPU, DeepSpeed JIT-compiles a shared-memory allreduce kernel on first use (a minute of C++ on two
     cores, per machine) that only speeds up large allreduces between ranks of one node; CPU runs are tiny
-    recipes and tests, and gloo serves them. ``ACRE_TRAIN_DS_SHM=1`` builds and uses the kernel."""
-    import deepspeed.comm.torch as ds_torch
+    recipes and tests, and gloo serves them. ``ACRE_TRAIN_DS_SHM=1`` builds and uses the kernel.
 
+    For the whole process, not just ``init_distributed``: ``deepspeed.initialize`` builds its own
+    communication backend again whenever the process group was set up before or torn down since (a
+    second run in one process, as the export tests do)."""
+    # Not ``import deepspeed.comm.torch as ...``: that binds the ``torch`` package that ``deepspeed.comm``
+    # imports under the same name, and the patch would land nowhere.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     if cuda or os.environ.get("ACRE_TRAIN_DS_SHM") == "1" or not hasattr(ds_torch, "build_shm_op"):
-        yield
         return
-    build = ds_torch.build_shm_op
     ds_torch.build_shm_op = lambda: None  # DeepSpeed's own fallback when the kernel is unavailable
-    try:
-        yield
-    finally:
-        ds_torch.build_shm_op = build
 
 
 def teardown() -> None:
