@@ -118,8 +118,8 @@ def test_one_distilled_stage1_step_lowers_the_kl_on_a_held_out_span():
     texts = [" ".join(p["context"] for p in art["paragraphs"]) for art in articles[:2]]
 
     def batch(text):
-        ids = tok(text, add_special_tokens=False)["input_ids"][:768]
-        return pad_batch([interleave(ids, first_chunk=256, stride=256, intervals=16).as_dict()])
+        ids = tok(text, add_special_tokens=False)["input_ids"][:384]
+        return pad_batch([interleave(ids, first_chunk=128, stride=128, intervals=16).as_dict()])
 
     train, held = batch(texts[0]), batch(texts[1])
     module = LossModule(model, distill={"weight": 1.0, "temperature": 1.0, "top_k": 64, "stage": 1})
