@@ -7,7 +7,8 @@ measured / floor is the arm's implementation overhead alone, not its algorithm:
 * prefill: the weights' FLOPs for every row, attention's for every (row, key) pair and one LM-head
   row, at the fp32 matmul rate; or the time to read the weights once, whichever is longer;
 * each decoding step after the first token: reading the weights and the attended KV once, at the
-  measured read bandwidth;
+  bandwidth of torch's own matrix-vector product (the op a decoding step is made of; on 2 cores it
+  reads ~0.7x as fast as a plain sum does, which ``gbps`` reports beside it);
 * a cache build (full attention's prefill, ACRE's chunked build): the weights' FLOPs for every row
   and attention's for every (row, key) pair it attends, at the matmul rate.
 
@@ -21,14 +22,16 @@ import time
 
 
 def machine_rates(device: str) -> dict[str, float]:
-    """This machine's fp32 matmul rate (GFLOP/s, a 2048-square product) and memory read bandwidth (GB/s,
-    a sum over 256 MiB: decoding reads the weights and the KV, it writes little), measured now, best of
-    five: the rates a floor is computed at."""
+    """This machine's rates, measured now, best of five: the fp32 matmul rate (``gflops``, a 2048-square
+    product), the memory read bandwidth of a sum over 256 MiB (``gbps``), and that of a matrix-vector
+    product over a 256 MiB matrix (``gemv_gbps``), which decoding floors are computed at: a decoding step
+    reads every weight through that op, and no torch code reads them faster."""
     import torch
 
     a = torch.randn(2048, 2048, device=device)
     big = torch.ones(64 * 2**20, device=device)  # 256 MiB, touched once so no page fault is timed
-    flops, read = [], []
+    matrix, vector = big.view(8192, 8192), torch.ones(8192, device=device)
+    flops, read, gemv = [], [], []
     for _ in range(5):
         tic = time.perf_counter()
         a @ a
@@ -36,7 +39,10 @@ def machine_rates(device: str) -> dict[str, float]:
         tic = time.perf_counter()
         big.sum()
         read.append(big.numel() * 4 / (time.perf_counter() - tic) / 1e9)
-    return {"gflops": max(flops), "gbps": max(read)}
+        tic = time.perf_counter()
+        matrix @ vector
+        gemv.append(big.numel() * 4 / (time.perf_counter() - tic) / 1e9)
+    return {"gflops": max(flops), "gbps": max(read), "gemv_gbps": max(gemv)}
 
 
 def _shape(model) -> tuple[int, int, int, int, int]:
@@ -84,7 +90,8 @@ def question_floor(model, *, rows: float, keys: float, new_tokens: int, rates: d
     prefill_flops = 2 * body * rows + 4 * layers * heads * head_dim * rows * keys + 2 * head
     weight_bytes = 4 * (body + head)
     kv_bytes = 2 * layers * kv_heads * head_dim * 4 * keys
-    prefill = max(prefill_flops / (rates["gflops"] * 1e9), weight_bytes / (rates["gbps"] * 1e9))
-    step = (weight_bytes + kv_bytes) / (rates["gbps"] * 1e9)
+    read = rates.get("gemv_gbps", rates["gbps"]) * 1e9
+    prefill = max(prefill_flops / (rates["gflops"] * 1e9), weight_bytes / read)
+    step = (weight_bytes + kv_bytes) / read
     return {"floor_prefill_s": prefill, "floor_decode_s": (new_tokens - 1) * step,
             "floor_question_s": prefill + (new_tokens - 1) * step}

@@ -280,10 +280,12 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
     if "floor_question_s" in acre:
         print(f"  ACRE's floor: question {acre['floor_question_s']:.3f}s = score {acre['floor_score_s']:.3f} + prefill "
               f"{acre['floor_prefill_s']:.3f} + decode {acre['floor_decode_s']:.3f} (open chunk {acre['open_chunk']} tokens); "
-              f"measured {acre['question_s']:.3f}s = {acre['question_s'] / acre['floor_question_s']:.2f}x the floor")
+              f"measured {acre['question_s']:.3f}s = {acre['question_s'] / acre['floor_question_s']:.2f}x the floor "
+              f"(score {acre['score_s'] / acre['floor_score_s']:.2f}x, prefill {acre['prefill_s'] / acre['floor_prefill_s']:.2f}x, "
+              f"decode {acre['decode_s'] / max(acre['floor_decode_s'], 1e-9):.2f}x)")
     if "floor_question_s" in full:
-        print(f"  full's floor ({full['cache']} cache; matmul {full['gflops']:.0f} GFLOP/s, read {full['gbps']:.1f} GB/s "
-              f"measured now): question {full['floor_question_s']:.3f}s = prefill {full['floor_prefill_s']:.3f} + decode "
+        print(f"  full's floor ({full['cache']} cache; matmul {full['gflops']:.0f} GFLOP/s, read {full['gemv_gbps']:.1f} GB/s "
+              f"by matrix-vector, {full['gbps']:.1f} by sum, measured now): question {full['floor_question_s']:.3f}s = prefill {full['floor_prefill_s']:.3f} + decode "
               f"{full['floor_decode_s']:.3f}; measured {full['question_s']:.3f}s = {full['question_s'] / full['floor_question_s']:.2f}x "
               f"the floor (prefill {full['prefill_s'] / full['floor_prefill_s']:.2f}x, decode "
               f"{full['decode_s'] / max(full['floor_decode_s'], 1e-9):.2f}x)")

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.model or 'tiny random Qwen2'}  layers={model.config.num_hidden_layers} "
           f"hidden={model.config.hidden_size}  device={device}  threads={torch.get_num_threads()}", flush=True)
     rates = machine_rates(str(device))
-    print(f"floors at matmul {rates['gflops']:.0f} GFLOP/s, read {rates['gbps']:.1f} GB/s (measured now); "
+    print(f"floors at matmul {rates['gflops']:.0f} GFLOP/s, read {rates['gemv_gbps']:.1f} GB/s by matrix-vector ({rates['gbps']:.1f} by sum; measured now); "
           f"answers decode {args.new_tokens} tokens", flush=True)
     warm = example(1024, args.doc_tokens, vocab, 0)
     for m in methods:  # warm-up: first calls pay for lazy init / allocator growth
