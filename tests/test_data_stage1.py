@@ -224,3 +224,20 @@ def test_overwrite_replaces_only_a_prepared_dataset_and_cleans_stale_partials(tm
     assert not stale.exists()
     again = prepare_stage1(_settings(tmp_path, corpus, seed=5, overwrite=True))  # a dataset: replaced
     assert again == first and load_prepared(again)[1]["settings"]["seed"] == 5
+
+
+def test_the_batch_encoder_gives_the_tokenizers_own_ids_whatever_its_backend_was_left_with():
+    """Dataset workers get the Rust backend alone (fast to pickle); its ids must be the wrapper's, even
+    when an earlier call left truncation or padding switched on in the shared backend."""
+    import pickle
+
+    from acre_train.data.tokenizer import BatchEncoder
+
+    tok = tiny_tokenizer()
+    texts = ["a longer sentence with several words in it, and punctuation.", "short", "", "  two  spaces\n\nand lines"]
+    want = tok(texts, add_special_tokens=False)["input_ids"]
+    tok._tokenizer.enable_truncation(3)
+    tok._tokenizer.enable_padding(length=40)
+    encode = pickle.loads(pickle.dumps(BatchEncoder(tok)))
+    assert encode.rust is not None and encode(texts) == want
+    assert max(len(ids) for ids in want) > 3

@@ -21,7 +21,7 @@ from .prepare import Built, Preparation, input_records, prepare
 from .rows import features, plan_row
 from .settings import Stage1Settings
 from .spans import Segment, iter_spans
-from .tokenizer import open_tokenizer
+from .tokenizer import BatchEncoder, open_tokenizer
 from ..files import cache_root
 
 
@@ -43,9 +43,9 @@ def iter_documents(settings: Stage1Settings, problems: InputProblems) -> Iterato
         yield {"text": text, "source": record.where, "meta": json.dumps(meta, sort_keys=True, default=str)}
 
 
-def _tokenize_batch(batch: dict[str, list], tokenizer: Any) -> dict[str, list]:
+def _tokenize_batch(batch: dict[str, list], encode: BatchEncoder) -> dict[str, list]:
     # No special tokens: spans start mid-document, a BOS per document would be noise.
-    ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+    ids = encode(batch["text"])
     return {"input_ids": ids, "num_tokens": [len(x) for x in ids]}
 
 
@@ -69,7 +69,7 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
             {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}),
         problems=problems)
     docs = docs.map(
-        _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"tokenizer": tokenizer},
+        _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"encode": BatchEncoder(tokenizer)},
         num_proc=settings.num_proc if settings.num_proc > 1 else None, remove_columns=["text"],
         cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
     )
