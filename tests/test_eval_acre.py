@@ -12,6 +12,7 @@ from acre_train.eval.prompt import PreparedExample
 from acre_train.eval.tasks import Example, build_task, save_jsonl
 from acre_train.modeling import acre_parameters, attach_acre
 from acre_train.tiny import tiny_model
+from helpers import perturbed_acre_model
 
 VOCAB = 211
 
@@ -91,6 +92,30 @@ def test_eval_cli_runs_acre_rows_on_an_export(tmp_path):
     assert set(by_method) == {"full", "acre", "acre-l1"}
     # The export's stored settings were used: k = floor(min(W - m, eta) / l) with eta=64, l=16.
     assert by_method["acre"]["acre_k"] == 4 and by_method["acre-l1"]["acre_k"] == 0
+
+
+def test_eval_with_a_device_map_that_offloads_to_disk_predicts_as_without(tmp_path, capsys):
+    """Every method drives the layers itself: each must find its weights brought in from disk."""
+    from acre_train.cli import main
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+    from acre_train.export.writer import export_model
+
+    tok = tiny_tokenizer()
+    model = perturbed_acre_model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    export = export_model(model, tmp_path / "export", tokenizer=tok, base_model=None,
+                          inference={"first_chunk": 128, "stride": 64, "interval": 16, "working_window": 512,
+                                     "max_refill": 64})
+    tasks = tmp_path / "tasks.jsonl"
+    save_jsonl(build_task("niah_single", tok, 400, 1), tasks)
+    predictions = []
+    for extra in ([], ["--device-map", "auto", "--max-memory", "cpu=60000", "--offload-folder", str(tmp_path / "off")]):
+        out = tmp_path / f"out{len(extra)}"
+        assert main(["eval", "--model", str(export), "--tasks", str(tasks), "--methods", "full,acre,infoflow",
+                     "--out", str(out), "--max-new-tokens", "3", "--no-progress", *extra]) == 0
+        rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+        predictions.append({r["method"]: (r["prediction"], r.get("acre_k")) for r in rows})
+    assert "disk: " in capsys.readouterr().out.split("placed by the device map: ")[1].splitlines()[0]
+    assert predictions[0] == predictions[1] and len(predictions[0]) == 3
 
 
 def test_a_shared_context_is_prepared_once_and_answers_as_if_alone():

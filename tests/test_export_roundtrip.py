@@ -126,6 +126,24 @@ print('RESULT' + json.dumps(out))
         torch.testing.assert_close(torch.tensor(got_plain), plain, atol=ATOL, rtol=0)
 
 
+def test_generate_with_a_device_map_that_offloads_to_disk_answers_as_without(exports, tmp_path, capsys):
+    """--device-map / --max-memory / --offload-folder through the verb: the same answers, weights on disk."""
+    _, full, _, _ = exports
+    context = "The lighthouse keeper Ada painted the tower blue every spring. " * 6
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "q", "context": context, "question": "Who?"}) + "\n")
+    answers = []
+    for extra in ([], ["--device-map", "auto", "--max-memory", "cpu=20000", "--offload-folder", str(tmp_path / "off")]):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        assert cli_main(["generate", str(full), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                         "--max-new-tokens", "4", *extra]) == 0
+        answers.append(json.loads(out.read_text())["answer"])
+    placed = capsys.readouterr().out
+    assert "placed by the device map: " in placed and "disk: " in placed  # something really went to disk
+    assert answers[0] == answers[1]
+    assert cli_main(["generate", str(full), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "x.jsonl"),
+                     "--max-memory", "cpu=1GiB"]) == 2  # without --device-map: said, not ignored
+
+
 def test_generate_and_chat_commands_answer_from_an_export(exports, tmp_path, capsys):
     _, full, _, _ = exports
     context = "The lighthouse keeper Ada painted the tower blue every spring. " * 6

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..infer.placement import Placement, add_placement_arguments
 from ..modeling.scorers import ScorerSettings
 
 
@@ -177,6 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    add_placement_arguments(parser)
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -199,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.scorers.split(",") if k.strip()]
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, data = load_export(export, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    model, tokenizer, data = load_export(export, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                         placement=Placement.from_args(args))
     if tokenizer is None:
         raise ValueError(f"{export} holds no tokenizer files; re-export it with its tokenizer")
     n_layers = model.config.num_hidden_layers

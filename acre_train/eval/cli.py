@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..infer.placement import add_placement_arguments, describe
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="local HF model folder (or hub id if cached)")
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    add_placement_arguments(parser)
     parser.add_argument("--save-tasks", default=None, help="also write the examples used to this JSONL file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"acre-train eval: rows {acre_rows} need an ACRE model: {exc}", file=sys.stderr)
             return 2
     model, tokenizer = _load_model(args, dtype, device)
+    if getattr(model, "hf_device_map", None):
+        print(f"placed by the device map: {describe(model.hf_device_map)}")
     try:
         examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed,
                                  squad_path=args.squad, questions_per_context=args.questions_per_context)
@@ -94,20 +99,24 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_model(args, dtype, device):
     """An ACRE export (for the acre rows; plain calls run its base) or any supported causal LM."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..data.tokenizer import auto_tokenizer
     from ..infer.load import load_export
+    from ..infer.placement import Placement
     from ..modeling.export_format import NotAnAcreExport, check_export_dir
 
+    placement = Placement.from_args(args)
     try:
         check_export_dir(args.model)
     except NotAnAcreExport:
         tokenizer = auto_tokenizer(args.tokenizer or args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
-                                                     attn_implementation=args.attn_implementation).to(device)
-        return model, tokenizer
-    model, tokenizer, _ = load_export(args.model, device=device, dtype=dtype)
+        placed = placement.kwargs(lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                                  dtype) if placement else {}
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn_implementation,
+                                                     **placed)
+        return (model if placed else model.to(device)), tokenizer
+    model, tokenizer, _ = load_export(args.model, device=device, dtype=dtype, placement=placement)
     if args.tokenizer or tokenizer is None:
         tokenizer = auto_tokenizer(args.tokenizer or args.model)
     return model, tokenizer

@@ -23,6 +23,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from ..infer.growing_cache import GrowingLayer
+from ..infer.placement import execution_device
 from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
 
@@ -94,6 +95,7 @@ class ModelParts:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    execution_device: torch.device  # where inputs go (weights may be offloaded: acre_train.infer.placement)
 
     @property
     def num_layers(self) -> int:
@@ -101,7 +103,7 @@ class ModelParts:
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.execution_device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,7 +141,7 @@ def model_parts(model: nn.Module) -> ModelParts:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return ModelParts(
         inner.embed_tokens, inner.layers, inner.norm, model.lm_head, Rope.of(model),
-        heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
+        heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim, execution_device(model),
     )
 
 

@@ -62,7 +62,9 @@ def stop_ids(model, tokenizer) -> set[int]:
 
 
 def _device(model) -> torch.device:
-    return next(model.parameters()).device
+    from ..infer.placement import execution_device
+
+    return execution_device(model)
 
 
 def context_key(prepared: PreparedExample) -> tuple:

@@ -202,10 +202,14 @@ def fingerprint(model: nn.Module, settings: CacheSettings, sample: int = 1024) -
     differently-typed model still changes it. Config objects are left out on purpose: the same
     weights loaded from an export or held in memory after training give the same fingerprint.
     """
+    from .placement import offloaded_tensor
+
     digest = hashlib.sha256(json.dumps(settings.as_dict(), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
-        if tensor.device.type == "meta":
-            raise ValueError("cannot fingerprint a model on the meta device")
+        if tensor.device.type == "meta":  # offloaded by a device map (read from there), or never loaded
+            tensor = offloaded_tensor(model, name)
+            if tensor is None:
+                raise ValueError("cannot fingerprint a model on the meta device")
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // sample)
         values = flat[::step][:sample].to("cpu", torch.float64).numpy()
@@ -401,7 +405,9 @@ def _kv_shape(model: nn.Module) -> tuple[int, int]:
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    from .placement import execution_device
+
+    return execution_device(model)
 
 
 def _t(array: np.ndarray, device: torch.device) -> torch.Tensor:

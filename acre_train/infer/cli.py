@@ -12,6 +12,7 @@ from typing import Any, Iterator, TextIO
 
 from ..measure import PeakMemory
 from ..modeling.geometry import add_geometry_flags
+from .placement import Placement, add_placement_arguments, describe
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="model dtype (default: the export's; use float32 on CPU)")
+    add_placement_arguments(parser)
     add_geometry_flags(parser.add_argument_group("chunking (fixed per cache; defaults stored in the export)"),
                        ("first_chunk", "stride", "interval"))
     g = parser.add_argument_group("refilling and decoding (per question)")
@@ -52,9 +54,12 @@ def make_engine(args: argparse.Namespace):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tokenizer, data = load_for_inference(args.export, device=device, dtype=dtype)
+    model, tokenizer, data = load_for_inference(args.export, device=device, dtype=dtype,
+                                                placement=Placement.from_args(args))
     if tokenizer is None:
         raise ValueError(f"{args.export} holds no tokenizer files; re-export with --tokenizer (or save one beside the base)")
+    if getattr(model, "hf_device_map", None):
+        print(f"placed by the device map: {describe(model.hf_device_map)}")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
                                                 "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers", "scorer",
                                                 "neighbors")}

@@ -20,6 +20,7 @@ from ..modeling.interleave import interleave
 from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
 from ..data.prompt import PromptFormat
 from .decode import decode
+from .placement import execution_device
 from .refill import assemble, num_selected
 from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
@@ -104,7 +105,7 @@ class AcreEngine:
         # a question then runs only its own tokens (to score and to prefill). What changes: the tail
         # attends to the L1 memory, not to the refilled spans (it cannot know the question).
         self.close_tail = close_tail
-        self.device = next(model.parameters()).device
+        self.device = execution_device(model)
         self._fingerprint: str | None = None
 
     @property

@@ -9,21 +9,29 @@ import torch
 from ..files import DamagedFileError
 from ..modeling.export_format import NotAnAcreExport, check_export_dir
 from ..modeling.learned_scorer import SCORER_WEIGHTS, QueryMap, attach_query_map
+from .placement import Placement
 
 
-def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """``(model, tokenizer or None, config dict)`` of an export, model in eval mode on ``device``."""
-    from ..modeling.hf import AcreForCausalLM
+def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                placement: Placement | None = None):
+    """``(model, tokenizer or None, config dict)`` of an export, model in eval mode on ``device``, or
+    spread by ``placement`` (a device map: GPUs, CPU, disk) when one is given."""
+    from ..modeling.hf import AcreConfig, AcreForCausalLM
 
     data = check_export_dir(path)
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    config = AcreConfig.from_pretrained(str(path))
+    placed = placement is not None and placement.device_map
+    if placed and not config.adapter_only:  # transformers places the weights as it reads them
+        kwargs.update(placement.kwargs(lambda: AcreForCausalLM(config), dtype))
     try:
-        model = AcreForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
+        model = AcreForCausalLM.from_pretrained(str(path), **kwargs)
     except Exception as exc:
         if not _damaged_weights(exc):
             raise
         raise DamagedFileError(f"{path}: its weights cannot be read ({str(exc).splitlines()[0]}); the export is "
                                "damaged or was copied in part: export it again") from exc
+    model = _place(model, placement, dtype, device).eval()
     learned = Path(path) / SCORER_WEIGHTS
     if learned.is_file():
         attach_query_map(model, QueryMap.load(learned))
@@ -54,14 +62,14 @@ def _damaged_weights(exc: BaseException) -> bool:
 
 
 def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                       log=print):
+                       placement: Placement | None = None, log=print):
     """``load_export``, or for a plain base model folder (e.g. ``acre-train base fetch``) the base with
     untrained L1 projections ("stage 0": copies of the base), so chat/generate work on any base."""
     from ..base.fetch import resolve_source
 
     path = resolve_source(str(path))
     try:
-        return load_export(path, device=device, dtype=dtype)
+        return load_export(path, device=device, dtype=dtype, placement=placement)
     except NotAnAcreExport:
         config = Path(path) / "config.json"
         if not config.is_file():
@@ -71,7 +79,7 @@ def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", 
     from ..modeling import attach_acre
 
     model = AutoModelForCausalLM.from_pretrained(str(path), **({"dtype": dtype} if dtype is not None else {}))
-    model = attach_acre(model).to(device).eval()
+    model = _place(attach_acre(model), placement, dtype, device).eval()
     log(f"note: {path} is a base model, not an ACRE export: answering with untrained L1 projections (stage 0); "
         "train and export ACRE for a real bi-layer cache")
     tokenizer = None
@@ -80,3 +88,17 @@ def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", 
 
         tokenizer = auto_tokenizer(str(path))
     return model, tokenizer, {"acre": {"inference": {}}}
+
+
+def _place(model, placement: Placement | None, dtype: torch.dtype | None, device: str | torch.device):
+    """``model`` on ``device``; or, under a device map, dispatched by accelerate unless transformers already
+    placed it while loading (full exports). Adapter-only exports and plain bases get their L1 weights
+    after the base is loaded, so they are dispatched whole once built."""
+    if placement is None or not placement.device_map:
+        return model.to(device)
+    if getattr(model, "hf_device_map", None):
+        return model
+    from accelerate import dispatch_model
+
+    map_ = placement.kwargs(lambda: model, dtype)["device_map"]
+    return dispatch_model(model, device_map=map_, offload_dir=placement.offload_folder)

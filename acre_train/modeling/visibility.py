@@ -206,8 +206,9 @@ class AttentionKernel:
             k_parts = [memory_key[b : b + 1, :, : seg.num_memory], key[b : b + 1, :, s:e]]
             v_parts = [memory_value[b : b + 1, :, : seg.num_memory], value[b : b + 1, :, s:e]]
             if prefix is not None:
-                k_parts.insert(0, prefix[0][b : b + 1].to(key.dtype))
-                v_parts.insert(0, prefix[1][b : b + 1].to(value.dtype))
+                # to the layer's device too: under a device map the cache sits on the main device
+                k_parts.insert(0, prefix[0][b : b + 1].to(key.device, key.dtype))
+                v_parts.insert(0, prefix[1][b : b + 1].to(value.device, value.dtype))
             num_prefix = sum(p.shape[2] for p in k_parts[:-1])
             keys, values, q = torch.cat(k_parts, 2), torch.cat(v_parts, 2), query[b : b + 1, :, s:e]
             if self.backend == "sdpa":

@@ -36,15 +36,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parameter_line(recipe) -> str:
-    """Trainable vs total parameters, counted on the meta device: the config is read, no weight is.
-    Raises ``ValueError`` when the recipe's L1 settings do not fit the model."""
-    import torch
-
+    """Trainable vs total parameters, counted on empty weights (accelerate's ``init_empty_weights``):
+    the config is read, no weight is. Raises ``ValueError`` when the recipe's L1 settings do not fit."""
     from ..modeling import attach_acre, count_parameters
 
     source = recipe.model.source
+    from accelerate import init_empty_weights
+
     try:
-        with torch.device("meta"):  # tensors without storage: a 7B model costs nothing here
+        with init_empty_weights():  # parameters without storage: a 7B model costs nothing here
             if source.startswith("tiny:"):
                 from ..tiny import tiny_model
 
@@ -57,7 +57,7 @@ def parameter_line(recipe) -> str:
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_source(source)))
     except (OSError, ValueError) as exc:  # a hub id without network or cache
         return f"not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
-    with torch.device("meta"):
+    with init_empty_weights():
         if recipe.mode == "acre":  # its ValueError (settings that do not fit this model) is the caller's
             m = recipe.model
             attach_acre(model, train_o_proj=m.train_o_proj, lora=m.lora.model_dump() if m.l1 == "lora" else None)

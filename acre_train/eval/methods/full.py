@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...infer.placement import execution_device
 from ...infer.decode import decode
 from ...infer.growing_cache import GrowingCache
 from ...measure import Timer
@@ -49,7 +50,7 @@ def run_plain(model, tokenizer, ids: list[int], generation: GenerationConfig,
     ``cache``: an already filled cache (a shared context) that ``ids`` continue; it grows by the
     question and the answer (the caller crops it back).
     """
-    device = model.lm_head.weight.device
+    device = execution_device(model)
     timer = Timer(device)
     x = torch.tensor([ids], device=device)
     cache = GrowingCache(capacity=len(ids) + generation.max_new_tokens) if cache is None else cache
@@ -106,7 +107,7 @@ class Full(EvalMethod):
             return None  # the middle cut depends on the question's length: per question
         cache = GrowingCache(capacity=n + QUESTION_ROOM)
         context = torch.tensor([[*example.prefix_ids, *(t for d in example.doc_ids for t in d)]],
-                               device=model.lm_head.weight.device)
+                               device=execution_device(model))
         model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
         return cache, n
 
