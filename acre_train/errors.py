@@ -35,6 +35,40 @@ class PeerLost(RuntimeError):
     """Another rank died, was killed, or became unreachable: this rank stops instead of hanging."""
 
 
+def explain_validation(exc: Any, root: Any) -> list[str]:
+    """One readable line per error of a pydantic ``ValidationError`` raised validating ``root`` (a model
+    class), with a did-you-mean for unknown keys -- the one wording for recipes and data settings.
+
+    >>> explain_validation(err, Recipe)
+    ["train.learnig_rate: unknown key; did you mean 'learning_rate'?"]
+    """
+    return [_explain(err, root) for err in exc.errors()]
+
+
+def _explain(err: dict[str, Any], root: Any) -> str:
+    loc = [str(p) for p in err["loc"]]
+    where = f"{'.'.join(loc)}: " if loc else ""  # a check across fields has no key of its own
+    if err["type"] == "extra_forbidden":
+        return f"{where}unknown key{key_hint(loc[-1], _fields_at(root, loc[:-1]), cutoff=0.5)}"
+    if err["type"] == "missing":
+        return f"{where}required key is missing"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{where}{message}" if err["type"] == "value_error" else f"{where}{message} (got {err.get('input')!r})"
+
+
+def _fields_at(root: Any, loc: list[str]) -> list[str]:
+    """Field names of the (nested) model at ``loc`` below ``root``."""
+    from pydantic import BaseModel
+
+    model = root
+    for part in loc:
+        annotation = getattr(model.model_fields.get(part), "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
 class MissingExtra(ImportError):
     """An optional dependency is not installed; the message names the ``pip install`` that fixes it."""
 

@@ -193,8 +193,22 @@ def test_two_processes_give_the_same_rows(tmp_path, corpus):
 
 
 def test_unknown_settings_key_is_named():
-    with pytest.raises(DataError, match="min_lenght"):
+    with pytest.raises(DataError, match="min_lenght: unknown key; did you mean 'min_length'"):
         Stage1Settings.from_dict({"builtin": True, "min_lenght": 5})
+
+
+def test_settings_are_typed_like_the_recipe_and_every_problem_is_one_line():
+    from acre_train.data import Stage2Settings
+
+    with pytest.raises(DataError) as bad:
+        Stage2Settings.from_dict({"builtin": True, "overlong": "cut", "context_tokens": "many"})
+    text = str(bad.value)
+    assert "\n" not in text and "overlong: Input should be 'truncate' or 'drop' (got 'cut')" in text
+    assert "context_tokens: " in text
+    with pytest.raises(DataError, match="^Stage1Settings: need 1 <= min_length <= max_length"):
+        Stage1Settings(builtin=True, min_length=50, max_length=10)
+    s = Stage1Settings(builtin=True, intervals=16, first_chunk="64", stride=32, min_length=8, max_length=64)
+    assert s.intervals == (16,) and s.first_chunk == 64 and s.to_dict()["intervals"] == [16]
 
 
 def test_cli_run_and_debug_on_builtin_text(tmp_path, capsys):

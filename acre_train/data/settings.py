@@ -1,13 +1,15 @@
-"""Settings of the two preparation stages (dataclasses; unknown keys are errors that name the key)."""
+"""Settings of the two preparation stages: pydantic models, as the recipe's sections are (the recipe's
+``data.prepare`` is validated by these same classes). Unknown keys, wrong types and bad values are a
+``DataError`` naming the key, with a did-you-mean."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import key_hint
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from ..errors import explain_validation
 from ..modeling.geometry import PAPER_INTERVALS, WindowGeometry
 from .errors import DataError
 
@@ -18,8 +20,30 @@ _PAPER = WindowGeometry()  # W0 = 4096, S = 2048, l from {8..128}: the one place
 NON_OUTPUT_FIELDS = frozenset({"output", "num_proc", "overwrite", "cache_dir"})
 
 
-@dataclass
-class PlanSettings:
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise DataError(f"{type(self).__name__}: " + "; ".join(explain_validation(exc, type(self)))) from None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        """Build from a mapping (e.g. a recipe's YAML section); an unknown key is an error."""
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field (paths as strings, tuples as lists)."""
+        return self.model_dump(mode="json")
+
+    def output_dict(self) -> dict[str, Any]:
+        """The settings that determine the output (the cache fingerprint's share)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NON_OUTPUT_FIELDS}
+
+
+class PlanSettings(_Settings):
     """Where the L1 tokens go (recorded in the manifest; the trainer and inference must agree)."""
 
     first_chunk: int = _PAPER.first_chunk
@@ -28,9 +52,15 @@ class PlanSettings:
     seed: int = 0
     l1_token_id: int | None = None  # None: the tokenizer's EOS id (DESIGN §4: no vocab change)
 
-    def _check_plan(self) -> None:
-        self.intervals = tuple(int(v) for v in ([self.intervals] if isinstance(self.intervals, int) else self.intervals))
+    @field_validator("intervals", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @model_validator(mode="after")
+    def _check_plan(self):
         self.geometry  # noqa: B018  (validates)
+        return self
 
     @property
     def geometry(self) -> WindowGeometry:
@@ -41,7 +71,6 @@ class PlanSettings:
             raise DataError(str(exc)) from None
 
 
-@dataclass
 class _Common(PlanSettings):
     output: Path | None = None
     inputs: tuple[str, ...] = ()
@@ -55,43 +84,21 @@ class _Common(PlanSettings):
     overwrite: bool = False
     cache_dir: Path | None = None  # default: $ACRE_TRAIN_CACHE or ~/.cache/acre-train
 
-    def _check_common(self) -> None:
-        self._check_plan()
-        self.inputs = tuple(str(p) for p in self.inputs)
-        if self.output is not None:
-            self.output = Path(self.output)
-        if self.cache_dir is not None:
-            self.cache_dir = Path(self.cache_dir)
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _paths_as_text(cls, value: Any) -> Any:
+        return [str(p) for p in ([value] if isinstance(value, (str, Path)) else value)]
+
+    @model_validator(mode="after")
+    def _check_common(self):
         sources = bool(self.inputs) + bool(self.dataset_name) + bool(self.builtin)
         if sources != 1:
-            raise DataError("give exactly one input: files (inputs), a dataset_name, or builtin")
+            raise ValueError("give exactly one input: files (inputs), a dataset_name, or builtin")
         if self.num_proc < 1:
-            raise DataError(f"num_proc must be >= 1, got {self.num_proc}")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "_Common":
-        """Build from a mapping (e.g. a recipe's YAML section); an unknown key is an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise DataError(f"unknown {cls.__name__} key {unknown[0]!r}{key_hint(unknown[0], known)}"
-                            + (f" (and {len(unknown) - 1} more: {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""))
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of every field (paths as strings, tuples as lists)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
-        return out
-
-    def output_dict(self) -> dict[str, Any]:
-        """The settings that determine the output (the cache fingerprint's share)."""
-        return {k: v for k, v in self.to_dict().items() if k not in NON_OUTPUT_FIELDS}
+            raise ValueError(f"num_proc must be >= 1, got {self.num_proc}")
+        return self
 
 
-@dataclass
 class Stage1Settings(_Common):
     """Stage 1: spans of plain text with L1 tokens (``acre-train preprocess stage1``).
 
@@ -108,15 +115,15 @@ class Stage1Settings(_Common):
     token_budget: int | None = 2_000_000_000
     pack: bool = True
 
-    def __post_init__(self) -> None:
-        self._check_common()
+    @model_validator(mode="after")
+    def _check_lengths(self):
         if not 1 <= self.min_length <= self.max_length:
-            raise DataError(f"need 1 <= min_length <= max_length, got {self.min_length} and {self.max_length}")
+            raise ValueError(f"need 1 <= min_length <= max_length, got {self.min_length} and {self.max_length}")
         if self.token_budget is not None and self.token_budget < self.min_length:
-            raise DataError(f"token_budget ({self.token_budget}) is below min_length ({self.min_length}): no span fits")
+            raise ValueError(f"token_budget ({self.token_budget}) is below min_length ({self.min_length}): no span fits")
+        return self
 
 
-@dataclass
 class Stage2Settings(_Common):
     """Stage 2: chat-formatted SFT samples with L1 tokens (``acre-train preprocess stage2``).
 
@@ -140,17 +147,14 @@ class Stage2Settings(_Common):
     pack_questions: int = 1
     max_samples: int | None = None
 
-    def __post_init__(self) -> None:
-        self._check_common()
+    @model_validator(mode="after")
+    def _check_stage2(self):
         if self.pack_questions < 1:
-            raise DataError(f"pack_questions must be >= 1, got {self.pack_questions}")
-        if self.format not in ("auto", "messages", "sharegpt", "alpaca", "squad"):
-            raise DataError(f"unknown format {self.format!r}; choose auto, messages, sharegpt, alpaca or squad")
-        if self.overlong not in ("truncate", "drop"):
-            raise DataError(f"overlong must be 'truncate' or 'drop', got {self.overlong!r}")
+            raise ValueError(f"pack_questions must be >= 1, got {self.pack_questions}")
         if not 1 <= self.min_length <= self.max_length:
-            raise DataError(f"need 1 <= min_length <= max_length, got {self.min_length} and {self.max_length}")
+            raise ValueError(f"need 1 <= min_length <= max_length, got {self.min_length} and {self.max_length}")
         if self.context_tokens < 1 or self.questions_per_paragraph < 1:
-            raise DataError("context_tokens and questions_per_paragraph must be >= 1")
+            raise ValueError("context_tokens and questions_per_paragraph must be >= 1")
         if self.builtin and self.format == "auto":
             self.format = "squad"  # the built-in stage-2 sample is the SQuAD subset
+        return self

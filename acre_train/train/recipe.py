@@ -21,7 +21,7 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import key_hint
+from ..errors import explain_validation
 from ..modeling import SUPPORTED_MODEL_TYPES
 
 
@@ -311,7 +311,7 @@ def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> Recipe:
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
-        raise RecipeError([_explain(err) for err in exc.errors()], source) from None
+        raise RecipeError(explain_validation(exc, Recipe), source) from None
 
 
 def _resolve_relative(recipe: Recipe, recipe_dir: Path) -> None:
@@ -323,29 +323,6 @@ def _resolve_relative(recipe: Recipe, recipe_dir: Path) -> None:
         if candidate.exists():
             recipe.train.deepspeed = str(candidate)
             return
-
-
-def _explain(err: dict[str, Any]) -> str:
-    """One readable line for a pydantic error, with a did-you-mean for unknown keys."""
-    loc = [str(p) for p in err["loc"]]
-    dotted = ".".join(loc)
-    if err["type"] == "extra_forbidden":
-        known = _fields_at(loc[:-1])
-        return f"{dotted}: unknown key{key_hint(loc[-1], known, cutoff=0.5)}"
-    if err["type"] == "missing":
-        return f"{dotted}: required key is missing"
-    return f"{dotted}: {err['msg']} (got {err.get('input')!r})"
-
-
-def _fields_at(loc: Sequence[str]) -> list[str]:
-    model: type[BaseModel] = Recipe
-    for part in loc:
-        field = model.model_fields.get(part)
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
 
 
 # ------------------------------------------------------------------------------ cross-field checks
