@@ -7,7 +7,7 @@ qwen2.5-coder-0.5b-instruct``::
 
 Steps (each skipped when its output exists, so a killed run resumes at the step it was in):
 
-1. export the stage-1+2 (120 + 120 steps) LoRA adapter kept in docs/real-base/adapters onto the base,
+1. export the stage-1+2 (120 + 120 steps) LoRA adapter kept in studies/adapters onto the base,
    one copy per (length, task) so each carries its own calibrated scorer;
 2. ``acre-train calibrate`` on the dev split: SQuAD *training* articles (even index) and needles at
    seed 1000 (the evaluation uses 777-779);
@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))  # the studies package of this checkout (not installed)
-ADAPTER = REPO / "docs/real-base/adapters/stage2-lora-step120+120.safetensors"
+ADAPTER = REPO / "studies/adapters/stage2-lora-step120+120.safetensors"
 BASE = "base:qwen2.5-coder-0.5b-instruct"
 # (length, task) -> (truncation budget = ACRE's attended KV, max new tokens, rows, dev questions).
 # At 4K multikey full attention (100.0) and truncation to ACRE's budget (22.5) were measured on the

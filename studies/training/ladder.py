@@ -3,7 +3,7 @@ each answering the same held-out cells with the same (plain row's calibrated) sc
 
 Not part of the installed package. Run from a checkout after ``acre-train base fetch
 qwen2.5-coder-0.5b-instruct``; it needs no training and no earlier study root, only the adapters
-committed in docs/real-base/adapters and the plain row's cells in docs/real-base/scorer::
+committed in studies/adapters and the plain row's cells in docs/real-base/scorer::
 
     python studies/training/ladder.py --squad ../shared/data/squad-v2-dev.json --root checkpoints/scorer-study \\
         --cells 2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long
@@ -32,7 +32,7 @@ import run as scorer_study  # noqa: E402
 from run import EVAL_SEEDS, REPO, log  # noqa: E402
 from sim import STAGE1, plain_cell, plain_setting, publish_cell  # noqa: E402
 
-ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "docs/real-base/adapters/stage2-sim-lora-step120+120.safetensors"}
+ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/stage2-sim-lora-step120+120.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
 DEFAULT_CELLS = "2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long"
 

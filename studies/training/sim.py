@@ -38,7 +38,7 @@ import run as scorer_study  # noqa: E402
 from run import EVAL_SEEDS, REPO, log  # noqa: E402
 
 RECIPE = REPO / "recipes/qwen2.5-0.5b/stage2-sim.yaml"
-STAGE1 = REPO / "docs/real-base/adapters/stage1-lora-step120.safetensors"
+STAGE1 = REPO / "studies/adapters/stage1-lora-step120.safetensors"
 RUN_NAME = "qwen2.5-0.5b-stage2-sim-lora-120"
 STEPS = 120
 GEOMETRY = ["--first-chunk", "1024", "--stride", "512", "--interval", "32", "--max-refill", "192"]
