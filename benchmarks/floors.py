@@ -95,3 +95,38 @@ def question_floor(model, *, rows: float, keys: float, new_tokens: int, rates: d
     step = (weight_bytes + kv_bytes) / read
     return {"floor_prefill_s": prefill, "floor_decode_s": (new_tokens - 1) * step,
             "floor_question_s": prefill + (new_tokens - 1) * step}
+
+
+def gemm_seconds(model, rows: int, repeats: int = 3) -> float:
+    """Measured time of the weight products alone for ``rows`` token rows through every layer: one
+    layer's own ``Linear`` modules (q, k, v, o, gate, up, down; L1 copies not counted) run on random
+    ``[rows, in]`` inputs, best of ``repeats``, times the number of layers, plus one LM-head row.
+
+    The peak-rate floor prices every FLOP at a 2048-square product's rate; a question's few dozen rows
+    (and a decoding step's one) multiply the same matrices far slower on a CPU. This is the floor at the
+    rate torch reaches for those very shapes: what no implementation built on its products beats."""
+    import torch
+
+    layer = model.model.layers[0]
+    linears = [m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and "acre" not in n]
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    inputs = [torch.randn(rows, m.in_features, device=device, dtype=dtype) for m in linears]
+    head_in = torch.randn(1, model.lm_head.in_features, device=device, dtype=dtype)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            for m, x in zip(linears, inputs):
+                m(x)
+            per_layer = time.perf_counter() - tic
+            tic = time.perf_counter()
+            model.lm_head(head_in)
+            best = min(best, per_layer * len(model.model.layers) + time.perf_counter() - tic)
+    return best
+
+
+def shape_floor(model, *, rows: int, keys: float, rates: dict[str, float]) -> float:
+    """Floor (s) of ``rows`` rows attending ``keys`` entries, with the weight products at their measured
+    shape rate (:func:`gemm_seconds`) and attention's FLOPs at the matmul rate."""
+    layers, heads, _, head_dim, _ = _shape(model)
+    return gemm_seconds(model, rows) + 4 * layers * heads * head_dim * rows * keys / (rates["gflops"] * 1e9)

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from floors import acre_build_work, build_floor, machine_rates, question_floor  # noqa: E402
+from floors import acre_build_work, build_floor, machine_rates, question_floor, shape_floor  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,12 +142,17 @@ def acre_floor(model, engine, answer, new_tokens: int, rates: dict[str, float]) 
     score = question_floor(model, rows=n, keys=answer.num_l1 + n / 2, new_tokens=1, rates=rates)["floor_prefill_s"]
     rest = question_floor(model, rows=n, keys=cache_len + n / 2, new_tokens=new_tokens, rates=rates)
     return {"floor_score_s": depth * score, "floor_prefill_s": rest["floor_prefill_s"],
-            "floor_decode_s": rest["floor_decode_s"], "floor_question_s": depth * score + rest["floor_question_s"]}
+            "floor_decode_s": rest["floor_decode_s"], "floor_question_s": depth * score + rest["floor_question_s"],
+            "shape_floor_score_s": depth * shape_floor(model, rows=n, keys=answer.num_l1 + n / 2, rates=rates),
+            "shape_floor_prefill_s": shape_floor(model, rows=n, keys=cache_len + n / 2, rates=rates),
+            "shape_floor_decode_s": (new_tokens - 1) * shape_floor(model, rows=1, keys=cache_len + n, rates=rates)}
 
 
 def full_floor(model, context: int, question: int, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
     """Full attention's floor: the question's rows over context + question, then decoding over them."""
-    return question_floor(model, rows=question, keys=context + question, new_tokens=new_tokens, rates=rates)
+    floor = question_floor(model, rows=question, keys=context + question, new_tokens=new_tokens, rates=rates)
+    return {**floor, "shape_floor_prefill_s": shape_floor(model, rows=question, keys=context + question, rates=rates),
+            "shape_floor_decode_s": (new_tokens - 1) * shape_floor(model, rows=1, keys=context + question, rates=rates)}
 
 
 def run_full(args, size: int) -> dict:
@@ -289,6 +294,12 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
               f"{full['floor_decode_s']:.3f}; measured {full['question_s']:.3f}s = {full['question_s'] / full['floor_question_s']:.2f}x "
               f"the floor (prefill {full['prefill_s'] / full['floor_prefill_s']:.2f}x, decode "
               f"{full['decode_s'] / max(full['floor_decode_s'], 1e-9):.2f}x)")
+    for name, r in (("ACRE", acre), ("full", full)):
+        if "shape_floor_prefill_s" in r:
+            parts = [f"{part} {r[part + '_s'] / r['shape_floor_' + part + '_s']:.2f}x" for part in ("score", "prefill", "decode")
+                     if r.get("shape_floor_" + part + "_s")]
+            print(f"  {name} against the floor at the measured rate of its own matrix shapes (the question's rows; "
+                  f"one row per decoding step): {', '.join(parts)}")
     if closed and "error" not in closed and "error" not in acre:
         print(f"  closed tail: per question {closed['question_s']:.3f}s vs {acre['question_s']:.3f}s open "
               f"({acre['question_s'] / closed['question_s']:.2f}x faster), build {closed['build_s']:.2f}s")

@@ -49,6 +49,8 @@ def test_inference_cost_runs_small_with_the_closed_tail_beside():
     assert "ACRE closed tail" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout
     assert "full's floor (growing cache" in out.stdout and "ACRE's floor: question" in out.stdout
     assert "ACRE build" in out.stdout and "full build" in out.stdout and "against its floor" in out.stdout
+    assert "ACRE against the floor at the measured rate of its own matrix shapes" in out.stdout
+    assert "full against the floor at the measured rate of its own matrix shapes" in out.stdout
 
 
 def test_methods_cost_runs_small_with_each_methods_floor_beside():
