@@ -302,10 +302,11 @@ class AcreEngine:
         """Run ``plan`` after ``kv``, append its KV (rotated at its positions), return the hidden states."""
         offset = kv.length
         new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        positions = torch.as_tensor(plan.positions) + offset
+        rope = Rope.of(self.model)
+        cos, sin = rope.cos_sin(torch.as_tensor(plan.positions) + offset, kv.keys.dtype)  # once, not per layer
 
         def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-            new[layer] = (Rope.of(self.model).rotate(key[0], positions), value[0])
+            new[layer] = (rope.apply(key[0], cos.to(key.device), sin.to(key.device)), value[0])
 
         hidden = self._forward(plan, offset=offset, prefix=kv.prefix, capture=capture, want_hidden=True)
         kv.extend(new)
