@@ -163,6 +163,38 @@ def publish_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def atomic_dir(final: str | Path, what: str | None = None, *, clear_stale: bool = True,
+               keep_existing: bool = False) -> Iterator[Path]:
+    """A hidden temporary folder beside ``final`` to build a folder in; published at ``final`` with
+    :func:`publish_dir` when the block ends, removed if it raises; a full disk is a
+    :class:`DiskFullError` naming ``what``. The one way every writer of a folder finishes it.
+
+    ``clear_stale``: first clear what a killed run left beside ``final`` (off where several processes may
+    fill one cache at once). ``keep_existing``: if ``final`` appeared meanwhile (another process cached
+    the same thing), keep it and drop this one.
+
+    >>> with atomic_dir("checkpoints/export") as tmp:  # doctest: +SKIP
+    ...     (tmp / "config.json").write_text("{}")
+    """
+    import shutil
+    import tempfile
+
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if clear_stale:
+        remove_stale(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the folder is an ordinary output
+    try:
+        with disk_errors(what or str(final)):
+            yield tmp
+        if not (keep_existing and final.exists()):
+            publish_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def remove_stale(final: Path) -> None:
     """Clear the hidden ``.NAME.partial-*`` / ``.NAME.old-*`` folders a killed run left beside ``final``."""
     import shutil

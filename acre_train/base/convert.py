@@ -17,13 +17,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files import FolderLock, publish_dir, remove_stale
+from ..files import FolderLock, atomic_dir
 
 # GGUF ``general.architecture`` values this toolkit can attach ACRE to. Mistral GGUFs written by
 # llama.cpp say "llama" (same tensors); transformers maps both onto its own classes.
@@ -224,11 +222,7 @@ def _convert(src: Path, out: Path, dtype: str, overwrite: bool, sha256: str | No
                                 f"({old.get('source_sha256', '?')[:12]}…, {old.get('dtype')}); pass --overwrite")
         elif any(out.iterdir()) if out.is_dir() else True:
             raise BaseError(f"{out} exists and is not a converted base (no {PROVENANCE_FILE}); choose another folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(out)  # left by a killed conversion
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the base is an ordinary shared folder
-    try:
+    with atomic_dir(out, f"the converted base {out}") as tmp:  # clears what a killed conversion left
         started = time.time()
         _write_folder(src, tmp, dtype, log)
         provenance = {
@@ -243,12 +237,8 @@ def _convert(src: Path, out: Path, dtype: str, overwrite: bool, sha256: str | No
             **(extra_provenance or {}),
         }
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
-        publish_dir(tmp, out)
-        log(f"converted {src.name} -> {out} ({dtype}, {time.time() - started:.0f} s)")
-        return out
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"converted {src.name} -> {out} ({dtype}, {time.time() - started:.0f} s)")
+    return out
 
 
 def _write_folder(src: Path, folder: Path, dtype: str, log: Callable[[str], None]) -> None:

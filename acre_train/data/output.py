@@ -16,13 +16,11 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..files import FolderLock, disk_errors, publish_dir, remove_stale
+from ..files import FolderLock, atomic_dir
 from .errors import DataError
 
 FORMAT_VERSION = 1
@@ -118,18 +116,10 @@ def _atomic_output(path: Path, overwrite: bool) -> Iterator[Path]:
     if path.exists() and not is_prepared_dataset(path):
         raise DataError(f"{path} exists and is not a prepared dataset (no manifest.json): --overwrite only "
                         "replaces what acre-train prepared; choose another output (data.path)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path)  # left by a killed preparation
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
-    try:
-        with disk_errors(f"the prepared dataset {path}"):
-            yield tmp
+    with atomic_dir(path, f"the prepared dataset {path}") as tmp:  # clears what a killed preparation left
+        yield tmp
         if read_manifest(tmp) is None:
             raise DataError(f"internal error: {tmp} has no complete manifest; not publishing it")
-        publish_dir(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 TOOL = "acre-train"

@@ -8,8 +8,6 @@ sample spans (sequential, cheap: token offsets only) -> build rows with the inte
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +20,7 @@ from .rows import features, plan_row
 from .settings import Stage1Settings
 from .spans import Segment, iter_spans
 from .tokenizer import BatchEncoder, open_tokenizer
-from ..files import cache_root
+from ..files import atomic_dir, cache_root
 
 
 def iter_documents(settings: Stage1Settings, problems: InputProblems) -> Iterator[dict[str, str]]:
@@ -73,19 +71,12 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
         num_proc=settings.num_proc if settings.num_proc > 1 else None, remove_columns=["text"],
         cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
     )
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=_mkdir(cache.parent)))
-    docs.save_to_disk(str(tmp / "data"))
-    (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
-    try:
-        tmp.rename(cache)
-    except OSError:  # another run cached the same thing meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Several preparations may fill this cache at once: leave their partial folders alone, and keep
+    # whichever finished first.
+    with atomic_dir(cache, f"the tokenized cache {cache}", clear_stale=False, keep_existing=True) as tmp:
+        docs.save_to_disk(str(tmp / "data"))
+        (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
     return datasets.load_from_disk(str(cache / "data"))
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def span_ids(segments: list[Segment], fetch, eos_id: int) -> np.ndarray:

@@ -11,15 +11,13 @@ weights) and records ``base_model_name_or_path``.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..files import FolderLock, disk_errors, publish_dir, remove_stale
+from ..files import FolderLock, atomic_dir, remove_stale
 from ..modeling.adapter import acre_state_dict, is_acre_model
 from ..modeling.hf import ACRE_EXPORT_FORMAT, ADAPTER_WEIGHTS, AcreConfig, wrap
 
@@ -68,17 +66,12 @@ def _export(model: nn.Module, out_dir: Path, tokenizer: Any, adapter_only: bool,
     final = _check_target(out_dir, overwrite)
     # Written under a temporary name and renamed at the end: an interrupted export (kill, full disk)
     # never leaves a folder with a config.json that looks complete.
-    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-    try:
-        with disk_errors(f"the export {final}"):
-            _write(model, out, final, tokenizer, adapter_only, base_model, inference, source)
-            if scorer is not None:
-                from ..modeling.learned_scorer import SCORER_WEIGHTS
+    with atomic_dir(final, f"the export {final}") as out:
+        _write(model, out, final, tokenizer, adapter_only, base_model, inference, source)
+        if scorer is not None:
+            from ..modeling.learned_scorer import SCORER_WEIGHTS
 
-                scorer[0].save(out / SCORER_WEIGHTS, scorer[1])
-        publish_dir(out, final)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+            scorer[0].save(out / SCORER_WEIGHTS, scorer[1])
     return final
 
 

@@ -26,7 +26,6 @@ every rank has finished, so a crash never leaves a directory that looks complete
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..files import DiskFullError, disk_errors, read_safetensors, write_text_atomic
+from ..files import DiskFullError, disk_errors, publish_dir, read_safetensors, write_text_atomic
 
 FORMAT_VERSION = 1
 META = "acre_checkpoint.json"
@@ -160,7 +159,7 @@ def save_checkpoint(
     """Write ``checkpoint-<step>`` atomically; every rank must call it. Returns the final path."""
     run_dir = Path(run_dir)
     final = run_dir / checkpoint_name(step)
-    tmp = run_dir / f".{final.name}.partial"
+    tmp = run_dir / f".{final.name}.partial"  # one name every rank knows: atomic_dir cannot serve several ranks
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
@@ -189,7 +188,7 @@ def save_checkpoint(
         except DiskFullError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _publish(tmp, final)
+        publish_dir(tmp, final)
         write_text_atomic(run_dir / LATEST, final.name + "\n")
         if keep_last:
             # Only older steps are pruned, never the checkpoint just written: the newest keep_last
@@ -201,16 +200,6 @@ def save_checkpoint(
     return final
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` (same step saved again) is replaced."""
-    if final.exists():
-        trash = final.with_name(f".{final.name}.old")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
 
 
 # ----------------------------------------------------------------------------------------- loading
