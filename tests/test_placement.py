@@ -91,3 +91,9 @@ def test_the_shipped_accelerate_config_is_one_accelerate_reads():
 
     config = load_config_from_file(str(Path(__file__).resolve().parents[1] / "launch/accelerate_multi_gpu.yaml"))
     assert config.distributed_type == "MULTI_GPU" and config.num_processes == 8 and config.mixed_precision == "no"
+
+
+def test_an_unknown_map_name_is_refused_with_the_choices(tmp_path):
+    path = _export(tmp_path, adapter_only=False)
+    with pytest.raises(ValueError, match="auto, balanced, balanced_low_0, sequential or a JSON map"):
+        load_export(path, placement=Placement("automatic"))

@@ -1,7 +1,7 @@
 """Big-model placement: a model over several devices, the CPU or disk, through accelerate's device map.
 
 ``--device-map auto --max-memory 0=20GiB,cpu=60GiB --offload-folder DIR`` (``chat``, ``generate``,
-``eval``, ``export``) loads a model larger than one device the way transformers does
+``eval``, ``calibrate``) loads a model larger than one device the way transformers does
 (``from_pretrained(device_map=...)``): each block's weights stay where the map puts them and move to
 its execution device while it runs.
 
@@ -163,6 +163,7 @@ def placement_kwargs(skeleton: Callable[[], nn.Module], *, device_map: str | Non
     if not device_map:
         return {}
     from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import get_balanced_memory
 
     with init_empty_weights():
         model = skeleton()
@@ -173,7 +174,13 @@ def placement_kwargs(skeleton: Callable[[], nn.Module], *, device_map: str | Non
 
         chosen: dict[str, Any] = json.loads(device_map)
     else:
+        if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise ValueError(f"--device-map: expected auto, balanced, balanced_low_0, sequential or a JSON map, "
+                             f"got {device_map!r}")
         layer_classes = sorted({type(layer).__name__ for layer in model.model.layers})
+        if device_map != "sequential":  # as transformers does: spread evenly over the GPUs first
+            max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=layer_classes,
+                                             dtype=dtype, low_zero=device_map == "balanced_low_0")
         chosen = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=layer_classes, dtype=dtype)
     refined = refine_device_map(chosen, model)
     if any(device == "disk" for device in refined.values()) and not offload_folder:
