@@ -18,6 +18,7 @@ measured / floor is the arm's implementation overhead alone, not its algorithm:
 
 from __future__ import annotations
 
+import functools
 import time
 
 
@@ -97,6 +98,7 @@ def question_floor(model, *, rows: float, keys: float, new_tokens: int, rates: d
             "floor_question_s": prefill + (new_tokens - 1) * step}
 
 
+@functools.lru_cache(maxsize=16)  # one measurement per (model, rows): score and prefill share theirs
 def gemm_seconds(model, rows: int, repeats: int = 3) -> float:
     """Measured time of the weight products alone for ``rows`` token rows through every layer: one
     layer's own ``Linear`` modules (q, k, v, o, gate, up, down; L1 copies not counted) run on random

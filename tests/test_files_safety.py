@@ -212,3 +212,23 @@ def test_overwrite_never_deletes_a_folder_whose_manifest_is_not_ours(tmp_path):
         prepare_stage1(Stage1Settings(builtin=True, output=app, overwrite=True, token_budget=2000,
                                       min_length=64, max_length=128, first_chunk=32, stride=16), log=lambda *_: None)
     assert (app / "index.html").read_text() == "<html></html>"
+
+
+def test_the_folder_writer_publishes_whole_or_nothing_and_can_keep_what_another_process_made(tmp_path):
+    from acre_train.files import atomic_dir
+
+    final = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as tmp:
+            (tmp / "half.txt").write_text("x")
+            raise RuntimeError("killed midway")
+    assert not final.exists() and not list(tmp_path.glob(".out.partial-*"))
+    with atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("mine")
+    assert (final / "a.txt").read_text() == "mine"
+    with atomic_dir(final, keep_existing=True) as tmp:  # someone finished first: theirs stays
+        (tmp / "a.txt").write_text("second")
+    assert (final / "a.txt").read_text() == "mine" and not list(tmp_path.glob(".out.partial-*"))
+    with atomic_dir(final) as tmp:  # the default replaces
+        (tmp / "a.txt").write_text("third")
+    assert (final / "a.txt").read_text() == "third"

@@ -20,10 +20,10 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
 
     data = check_export_dir(path)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    config = AcreConfig.from_pretrained(str(path))
-    placed = placement is not None and placement.device_map
-    if placed and not config.adapter_only:  # transformers places the weights as it reads them
-        kwargs.update(placement.kwargs(lambda: AcreForCausalLM(config), dtype))
+    if placement is not None and placement.device_map:
+        config = AcreConfig.from_pretrained(str(path))
+        if not config.adapter_only:  # transformers places the weights as it reads them
+            kwargs.update(placement.kwargs(lambda: AcreForCausalLM(config), dtype))
     try:
         model = AcreForCausalLM.from_pretrained(str(path), **kwargs)
     except Exception as exc:

@@ -100,14 +100,16 @@ def execution_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _hook_device(hook: Any) -> Any:
+def _inner_hooks(hook: Any) -> tuple[Any, ...]:
+    """The accelerate hooks in ``hook`` (a SequentialHook holds several; None holds none)."""
     if hook is None:
-        return None
-    for inner in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
-        device = getattr(inner, "execution_device", None)
-        if device is not None:
-            return device
-    return None
+        return ()
+    return tuple(getattr(hook, "hooks", None) or (hook,))
+
+
+def _hook_device(hook: Any) -> Any:
+    devices = [getattr(inner, "execution_device", None) for inner in _inner_hooks(hook)]
+    return next((d for d in devices if d is not None), None)
 
 
 def offloaded_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
@@ -115,8 +117,7 @@ def offloaded_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
     (read from the offload of the hook that brings it in), or None when no hook holds it."""
     *path, leaf = name.split(".")
     for depth in range(len(path), -1, -1):  # the hook sits on the module itself or on a block above it
-        hook = getattr(model.get_submodule(".".join(path[:depth])), "_hf_hook", None)
-        for inner in (getattr(hook, "hooks", None) or (hook,)) if hook is not None else ():
+        for inner in _inner_hooks(getattr(model.get_submodule(".".join(path[:depth])), "_hf_hook", None)):
             weights = getattr(inner, "weights_map", None)
             if weights is not None:
                 try:
