@@ -10,6 +10,7 @@ import torch
 from acre_train.eval.methods import GenerationConfig, parse_method
 from acre_train.eval.prompt import PreparedExample
 from acre_train.eval.tasks import Example, build_task, save_jsonl
+from acre_train.infer.settings import selection_suffix
 from acre_train.modeling import acre_parameters, attach_acre
 from acre_train.tiny import tiny_model
 from helpers import perturbed_acre_model
@@ -208,10 +209,12 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     assert rc == 0
     table = json.loads((export / "calibration.json").read_text())
     best = table["rows"][0]
-    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2  # l1: layer x heads x nb; l2/bounds: x (0, 2, 2+keep)
+    # l1: layer x heads x nb; l2/bounds: x sinks (0, 2, 2+keep); l2 without neighbours: grown from 1, 2, 3 seeds too
+    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2 + 2 * 2 * 3 * 3
+    assert {r["grow"] for r in table["rows"] if r["scorer"]["kind"] == "l2"} == {0, 1, 2, 3}
     assert all(best["covered"] >= r["covered"] for r in table["rows"]) and best["n"] == 4
     stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
-    assert stored["scorer"] == best["scorer"] and stored["neighbors"] == best["neighbors"]
+    assert stored["scorer"] == best["scorer"] and (stored["neighbors"], stored["grow"]) == (best["neighbors"], best["grow"])
     assert "`" + best["setting"] + "`" in (export / "calibration.md").read_text()
 
     from acre_train.modeling.scorers import ScorerSettings
@@ -236,8 +239,8 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
                  "acre,acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1", "--out", str(out),
                  "--max-new-tokens", "2", "--no-progress"]) == 0
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert {r["acre_scorer"] for r in rows} == {chosen + (",neighbors" if best["neighbors"] else ""),
-                                                "l2:layers=1,heads=max,sinks=2,neighbors"}
+    assert {r["acre_scorer"] for r in rows} == {chosen + selection_suffix(best["neighbors"], best["grow"]),
+                                                "l2:layers=1,heads=max,sinks=2 +neighbors"}
     summary = json.loads((out / "summary.json").read_text())["overall"]
     for label in ("acre", "acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1"):
         e = summary[label]

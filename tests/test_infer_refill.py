@@ -21,6 +21,7 @@ from acre_train.infer import (
 )
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
+from acre_train.modeling.scorers import span_tokens
 from acre_train.tiny import tiny_model
 
 from helpers import perturbed_acre_model as _model, random_ids as _ids
@@ -130,6 +131,46 @@ def test_refill_rebuilds_the_nested_cache_in_order(selected):
         expected_k = _rope(key[:, order], range(len(order)), _theta(model))
         torch.testing.assert_close(refilled.keys[layer], expected_k, atol=ATOL, rtol=0)
         torch.testing.assert_close(refilled.values[layer], value[:, order], atol=ATOL, rtol=0)
+
+
+def _expected_order_tokens(plan, finished: int, tokens: set[int]) -> list[int]:
+    """As :func:`_expected_order`, token by token: a raw token (by its text index) is kept when chosen."""
+    order, span = [], []
+    for i in range(finished):
+        if plan.is_l1[i]:
+            order.extend(t for t in span if int(plan.raw_index[t]) in tokens)
+            order.append(i)
+            span = []
+        else:
+            span.append(i)
+    return order + span
+
+
+def test_token_refill_puts_each_chosen_token_before_its_own_l1_entry():
+    """Grown refills cut spans: the chosen tokens of span j go right before L1 j, in text order; the
+    answer equals the engine's over the same tokens, and whole spans as a mask equal spans as indices."""
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=11, interval=5)
+    ctx = _ids(47, 3)
+    engine = AcreEngine(model, cache_settings=settings, refill=BIG.replace(max_new_tokens=2))
+    cache = engine.build(ctx)
+    plan = interleave(ctx, first_chunk=16, stride=11, intervals=5)
+    finished = int((plan.chunk_ids < 3).sum())
+    chosen = {2, 3, 4, 9, 14, 15, 16, 17, 30}  # a tail of span 0, a head of span 3, across the chunk border at 16
+    mask = torch.zeros(int(cache.span_bounds[-1]), dtype=torch.bool)
+    mask[sorted(chosen)] = True
+    refilled = assemble(model, cache, mask)
+    order = _expected_order_tokens(plan, finished, chosen)
+    for layer, (key, value) in _captured_kv(model, plan).items():
+        torch.testing.assert_close(refilled.keys[layer], _rope(key[:, order], range(len(order)), _theta(model)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(refilled.values[layer], value[:, order], atol=ATOL, rtol=0)
+    q = _ids(4, 9)
+    spans = engine.answer(cache, q, selected=[1, 4])
+    as_mask = engine.answer(cache, q, selected=span_tokens(cache.span_bounds, [1, 4]))
+    assert torch.equal(as_mask.first_logits, spans.first_logits) and as_mask.selected == [1, 4]
+    partial = engine.answer(cache, q, selected=mask)
+    assert torch.equal(partial.refilled, mask) and partial.selected == [0, 1, 2, 3, 6]
+    assert partial.cache_length == cache.num_l1 + len(chosen) + cache.num_pending
 
 
 def test_no_refill_equals_the_plain_acre_plan():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings
-from acre_train.modeling.scorers import ScorerSettings, select_spans, sink_mask
+from acre_train.modeling.scorers import ScorerSettings, grow_tokens, select_spans, sink_mask
 from acre_train.modeling import acre_forward, interleave
 from acre_train.modeling.batch import pad_batch
 
@@ -28,8 +28,10 @@ def _rope(x: torch.Tensor, positions, theta: float) -> torch.Tensor:
     return x * torch.cos(angle) + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * torch.sin(angle)
 
 
-def _reference(model, ctx, q, scorer: ScorerSettings) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Scores from the plain plan of context + question, computed token by token, head by head."""
+def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = None
+               ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Scores from the plain plan of context + question, computed token by token, head by head
+    (``token_mass``: filled with the ``l2`` scorer's per-token table ``[H, n, N]`` of every layer)."""
     plan = interleave(ctx + q, first_chunk=16, stride=8, intervals=4)
     captured = {}
     with torch.no_grad():
@@ -54,6 +56,7 @@ def _reference(model, ctx, q, scorer: ScorerSettings) -> tuple[torch.Tensor, lis
     for layer in scorer.resolved_layers(model.config.num_hidden_layers):
         query, key = captured[layer]
         table = torch.zeros(heads, len(q_rows), len(spans), dtype=torch.float64)
+        tokens = torch.zeros(heads, len(q_rows), len(raw_rows), dtype=torch.float64)
         raw_keys = _rope(key[:, raw_rows], range(len(raw_rows)), theta)  # keys at their text positions
         l1_keys = _rope(key[:, l1_rows], range(len(l1_rows)), theta)  # keys at memory positions j
         for a, row in enumerate(q_rows):
@@ -79,10 +82,13 @@ def _reference(model, ctx, q, scorer: ScorerSettings) -> tuple[torch.Tensor, lis
                     z = sum(math.exp(logits[t] - top) for t in keep)
                     prob = [0.0 if t in sinks else math.exp(logits[t] - top) / z for t in range(len(logits))]
                     table[h, a] = torch.tensor([sum(prob[s:e]) for s, e in spans], dtype=torch.float64)
+                    tokens[h, a] = torch.tensor(prob, dtype=torch.float64)
                 else:
                     top = max(logits)
                     z = sum(math.exp(x - top) for x in logits)
                     table[h, a] = torch.tensor([math.exp(x - top) / z for x in logits], dtype=torch.float64)
+        if token_mass is not None:
+            token_mass.append(tokens)
         pooled = table.max(dim=0).values if scorer.heads == "max" else table.mean(dim=0)
         per_layer.append(pooled.mean(dim=0))
     return torch.stack(per_layer).mean(dim=0).float(), spans
@@ -186,3 +192,72 @@ def test_scorer_settings_spellings_and_errors():
         ScorerSettings.parse("l1:sinks=4")
     with pytest.raises(ValueError, match="out of range"):
         ScorerSettings(layers=(5,)).resolved_layers(2)
+
+
+# ------------------------------------------------------------------------------ grown refills
+
+def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, width: int, seeds: int, heads: str,
+                    taken: set[int] | None = None) -> set[int]:
+    """Written from grow_tokens' docstring: seeds best first, each ``width`` clear of what is taken, then
+    the untaken token next to a taken one with the most mass, one at a time (ties: the earlier token)."""
+    def score(a: int, b: int) -> float:
+        per_layer = []
+        for table in mass:
+            sums = table[:, :, a:b].double().sum(-1)  # [H, n]
+            pooled = sums.max(0).values if heads == "max" else sums.mean(0)
+            per_layer.append(float(pooled.mean()))
+        return sum(per_layer) / len(per_layer)
+
+    taken = set(taken or ())
+    placed = 0
+    for s in sorted(range(num_tokens - width + 1), key=lambda s: (-score(s, s + width), s)):
+        if placed >= seeds or len(taken) + width > budget:
+            break
+        if any(t in taken for t in range(max(0, s - width), s + 2 * width)):
+            continue
+        taken |= set(range(s, s + width))
+        placed += 1
+    while len(taken) < budget:
+        free = [t for t in range(num_tokens) if t not in taken]
+        frontier = [t for t in free if t - 1 in taken or t + 1 in taken] or free
+        if not frontier:
+            break
+        taken.add(max(frontier, key=lambda t: (score(t, t + 1), -t)))
+    return taken
+
+
+@pytest.mark.parametrize("seeds,heads,forced", [(1, "max", ()), (2, "mean", ()), (3, "max", (5, 6, 7)), (2, "max", tuple(range(40)))])
+def test_grown_refill_equals_its_reference(seeds, heads, forced):
+    gen = torch.Generator().manual_seed(seeds)
+    mass = [torch.softmax(torch.randn(4, 3, 60, generator=gen) * 3, -1) for _ in range(2)]
+    taken = torch.zeros(56, dtype=torch.bool)
+    taken[list(forced)] = True
+    got = grow_tokens(mass, num_tokens=56, budget=24, width=4, seeds=seeds, heads=heads, taken=taken if forced else None)
+    want = _grow_reference(mass, 56, 24, 4, seeds, heads, set(forced))
+    assert set(torch.nonzero(got).flatten().tolist()) == want
+    assert int(got.sum()) == max(24, len(forced))
+
+
+def test_the_engine_grows_the_reference_tokens_and_reports_them():
+    model = _model("qwen2")
+    scorer = ScorerSettings.parse("l2:layers=0+1,heads=max,sinks=1")
+    # W = 18 with m = 10 L1 entries: k = 2 spans of 4 -> 8 tokens grown from one seed.
+    engine = AcreEngine(model, cache_settings=SETTINGS,
+                        refill=RefillSettings(working_window=18, scorer=scorer, grow=1, max_new_tokens=2))
+    ctx, q = _ids(42, 6), _ids(6, 7)
+    cache = engine.build(ctx)
+    answer = engine.answer(cache, q)
+    mass: list = []
+    _reference(model, ctx, q, scorer, mass)
+    want = _grow_reference(mass, int(cache.span_bounds[-1]), 8, 4, 1, "max")
+    assert answer.k == 2 and set(torch.nonzero(answer.refilled).flatten().tolist()) == want
+    again = engine.answer(cache, q, selected=answer.refilled)
+    assert torch.equal(again.first_logits, answer.first_logits)
+
+
+@pytest.mark.parametrize("kw,message", [({"scorer": "l1:layers=-1", "grow": 2}, "l2 scorer"),
+                                        ({"scorer": "l2:layers=1", "grow": 1, "neighbors": True}, "not both"),
+                                        ({"scorer": "l2:layers=1", "grow": -1}, ">= 0")])
+def test_a_selection_that_cannot_be_made_is_refused_in_one_line(kw, message):
+    with pytest.raises(ValueError, match=message):
+        RefillSettings(**kw)

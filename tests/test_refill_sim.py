@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from acre_train.infer import AcreEngine
-from acre_train.modeling.scorers import ScorerSettings
+from acre_train.modeling.scorers import ScorerSettings, spans_with
 from acre_train.modeling import acre_parameters, interleave
 from acre_train.train.refill_sim import SimSettings, collate_sim, sim_forward, sim_sample, unpad
 
@@ -32,15 +32,19 @@ def _settings(**kw) -> SimSettings:
 
 
 # 43 tokens: chunks 16 + 12 + 12 and a raw tail of 3; 40: no tail; 33 at interval 5: chunks 16 + 12 (a
-# tail of 5) and 3 pending raw tokens after the last L1 entry (28 is no multiple of 5); []: no refill.
+# tail of 5) and 3 pending raw tokens after the last L1 entry (28 is no multiple of 5); []: no refill;
+# a set: those raw tokens (a grown refill, cutting spans).
 @pytest.mark.parametrize("arch,ctx_len,selected,interval", [("qwen2", 43, [1, 4], 4), ("llama", 40, [0, 5], 4),
-                                                            ("qwen2", 43, [], 4), ("llama", 33, [2], 5)])
+                                                            ("qwen2", 43, [], 4), ("llama", 33, [2], 5),
+                                                            ("qwen2", 43, {2, 3, 6, 7, 8, 21, 30}, 4)])
 def test_training_logits_equal_the_engines_answer_for_a_fixed_selection(arch, ctx_len, selected, interval):
     model = _model(arch)
     settings = _settings(interval=interval)
     ctx, question, answer = _ids(ctx_len, 1), _ids(5, 2), _ids(4, 3)
     sample = unpad(collate_sim([sim_sample(_row(ctx, question, answer, first_chunk=8, stride=8, interval=2),
                                            settings)]), 0)
+    if isinstance(selected, set):
+        selected = torch.tensor([t in selected for t in range(int(sample["span_bounds"][-1]))])
     with torch.no_grad():
         ((out, chosen),) = sim_forward(model, sample, settings, selected=[selected], return_logits=True)
     labels = sample["open_labels"]
@@ -50,7 +54,7 @@ def test_training_logits_equal_the_engines_answer_for_a_fixed_selection(arch, ct
     engine = AcreEngine(model, cache_settings=settings.cache_settings(), refill=settings.refill())
     cache = engine.build(ctx)
     closed = 40 if ctx_len >= 40 else 28
-    assert cache.num_l1 > max(selected, default=0) and len(cache.tail_ids) == ctx_len - closed
+    assert len(cache.tail_ids) == ctx_len - closed
     assert (cache.num_pending > 0) == (interval == 5)
     for j, row in enumerate(rows.tolist()):
         # The engine's logits after question + answer[:j] predict answer[j]: the training row's label there.
@@ -68,12 +72,13 @@ def test_the_simulated_selection_is_the_engines_and_forcing_brings_the_evidence(
     plain = unpad(collate_sim([sim_sample(row, settings)]), 0)
     with torch.no_grad():
         ((_, chosen),) = sim_forward(model, plain, settings)
-        assert chosen.tolist() == engine.answer(cache, question, max_new_tokens=1).selected
+        assert torch.equal(chosen, engine.answer(cache, question, max_new_tokens=1).refilled)
         forced = unpad(collate_sim([sim_sample(row, settings, force=True)]), 0)
         ((_, with_evidence),) = sim_forward(model, forced, settings)
     # Raw tokens 9, 10 lie in span 2 (raw 8..11) of chunk 0.
     assert np.flatnonzero(forced["evidence_spans"].numpy()).tolist() == [2]
-    assert 2 in with_evidence.tolist() and len(with_evidence) == 2
+    spans = torch.nonzero(spans_with(with_evidence, cache.span_bounds)).flatten().tolist()
+    assert 2 in spans and len(spans) == 2
 
 
 def test_gradients_reach_l1_weights_through_the_refilled_prefix():

@@ -454,7 +454,7 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
     common = [f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}", "train.max_steps=4",
               "checkpoint.keep_last=null"]
     sim = ["train.refill_sim.enabled=true", "train.refill_sim.force_evidence=0.5", "train.refill_sim.max_refill=8",
-           "train.refill_sim.interval=4", "train.refill_sim.scorer=l2:layers=0,heads=max", "train.refill_sim.neighbors=true"]
+           "train.refill_sim.interval=4", "train.refill_sim.scorer=l2:layers=0,heads=max", "train.refill_sim.grow=2"]
     _, plain = run(recipe(workdir, "rs-plain", *common, stage=2))
     _, full = run(recipe(workdir, "rs-full", *common, *sim, stage=2))
     assert all(np.isfinite(full.losses)) and full.losses != plain.losses
@@ -462,16 +462,16 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
     _, second = run(recipe(workdir, "rs-cut", *common, *sim, "checkpoint.resume_from_checkpoint=latest", stage=2))
     assert first.losses == full.losses[:2]
     np.testing.assert_allclose(second.losses, full.losses[2:], rtol=0, atol=1e-6)
-    # Its export answers in the layout it trained in: l, eta, scorer and neighbour rule of refill_sim.
+    # Its export answers in the layout it trained in: l, eta, scorer and selection rule (grown tokens) of refill_sim.
     from acre_train.cli import main as cli_main
 
     assert cli_main(["export", str(workdir / "rs-full"), str(workdir / "rs-export"), "--adapter-only"]) == 0
     stored = json.loads((workdir / "rs-export" / "config.json").read_text())["acre"]["inference"]
-    assert (stored["interval"], stored["max_refill"], stored["neighbors"]) == (4, 8, True)
+    assert (stored["interval"], stored["max_refill"], stored["neighbors"], stored["grow"]) == (4, 8, False, 2)
     assert ScorerSettings.parse(stored["scorer"]) == ScorerSettings.parse("l2:layers=0,heads=max")
     assert cli_main(["export", str(workdir / "rs-plain"), str(workdir / "plain-export"), "--adapter-only"]) == 0
     plain_stored = json.loads((workdir / "plain-export" / "config.json").read_text())["acre"]["inference"]
-    assert "scorer" not in plain_stored and "neighbors" not in plain_stored
+    assert not {"scorer", "neighbors", "grow"} & set(plain_stored)
 
 
 def test_distillation_in_the_trainer_stage1_and_refilled_stage2(workdir):

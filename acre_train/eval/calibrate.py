@@ -3,15 +3,16 @@
 For every dev question the export's engine builds the context's bi-layer cache once (shared by the
 questions asked of it) and runs one scoring pass that captures the question's queries at every
 layer of the sweep. Every setting of the sweep (scorer × layer × head pooling × sink tokens × kept
-sinks × neighbour refill) then ranks and selects spans from those queries, at the export's geometry
-and budget ``k``, and is scored by what it brought back:
+sinks × selection: whole spans, with or without neighbours, or tokens grown from 1-4 seeds) then ranks
+and selects from those queries, at the export's geometry and budget ``k``, and is scored by what it
+brought back:
 
 * ``covered``: share of questions whose whole evidence was visible after refilling (the criterion);
 * ``coverage``: share of evidence tokens visible; ``recall``: share of evidence ranges overlapped;
 * ``rank``: median rank of the best-scored span holding evidence.
 
 The best setting (most ``covered``, then ``coverage``, then the lower median rank, then the simpler
-setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors``),
+setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors`` / ``grow``),
 which ``chat``, ``generate`` and ``eval`` then use; the whole table goes beside it
 (``calibration.json``, ``calibration.md``). Inference only: nothing is trained. Calibrate on a dev
 split (training articles, needles at other seeds), never on the questions you report.
@@ -31,6 +32,7 @@ import torch
 
 from ..infer.placement import Placement, add_placement_arguments
 from ..modeling.scorers import ScorerSettings
+from ..infer.settings import selection_suffix
 
 
 @dataclass(frozen=True)
@@ -39,22 +41,25 @@ class Candidate:
 
     scorer: ScorerSettings
     neighbors: bool
+    grow: int = 0
 
     def describe(self) -> str:
-        return self.scorer.describe() + (" +neighbors" if self.neighbors else "")
+        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow)
 
     def simplicity(self) -> tuple:
         """Lower = simpler (the tie-break): fewer options switched on."""
         s = self.scorer
-        return (int(self.neighbors) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean") + int(s.learned),
-                len(s.layers))
+        return (int(self.neighbors) + int(self.grow > 0) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean")
+                + int(s.learned), len(s.layers), self.grow)
 
 
 def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), layers: Sequence[int] | None = None,
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
-          neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = ()) -> list[Candidate]:
+          neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = (),
+          grow: Sequence[int] = ()) -> list[Candidate]:
     """The settings to compare. Default layers: every third layer and the last. ``learned_layers``:
-    the layers of the export's learned scorer, swept again with ``learned=1``.
+    the layers of the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
+    token-granular refill, swept beside the span rules for every ``l2`` setting.
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
@@ -66,7 +71,10 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), lay
     grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
     for kind, (layer, learned), pool, near in itertools.product(kinds, grid, heads, neighbors):
         for sink, keep in ([(0, False)] if kind == "l1" else [(s, k) for s in sinks for k in ((False, True) if s else (False,))]):
-            out.append(Candidate(ScorerSettings(kind, (int(layer),), pool, int(sink), keep, learned), bool(near)))
+            scorer = ScorerSettings(kind, (int(layer),), pool, int(sink), keep, learned)
+            out.append(Candidate(scorer, bool(near)))
+            if kind == "l2" and not near:
+                out.extend(Candidate(scorer, False, int(g)) for g in grow if g > 0)
     return out
 
 
@@ -76,7 +84,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
     from tqdm.auto import tqdm
 
     from ..infer import AcreEngine
-    from ..modeling.scorers import forced_spans, rank_spans, select_spans
+    from ..modeling.scorers import choose_refill
     from ..infer.settings import inference_settings
     from .harness import group_by_context
     from .methods.acre import evidence_token_ranges, evidence_visibility
@@ -103,9 +111,9 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
             budgets.append((k, cache.num_l1))
             queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=wanted)
             for tally, cand in zip(tallies, candidates):
-                scores = rank_spans(model, cache, queries, cand.scorer)
-                chosen = select_spans(scores, k, neighbors=cand.neighbors, forced=forced_spans(cache, cand.scorer))
-                tally.append(evidence_visibility(evidence, cache, chosen.tolist(), scores))
+                scores, tokens = choose_refill(model, cache, queries, cand.scorer, k, neighbors=cand.neighbors,
+                                               grow=cand.grow)
+                tally.append(evidence_visibility(evidence, cache, tokens, scores))
     bar.close()
     if not any(tallies):
         raise ValueError(f"no dev question could rank spans ({skipped} skipped: no known evidence, or k is 0 "
@@ -115,6 +123,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
     for cand, tally in zip(candidates, tallies):
         ranks = sorted(t["refill_rank"] for t in tally if t["refill_rank"] is not None)
         rows.append({"setting": cand.describe(), "scorer": cand.scorer.as_dict(), "neighbors": cand.neighbors,
+                     "grow": cand.grow,
                      "n": len(tally), "skipped": skipped, "k": k_median, "num_l1": m_median,
                      "covered": 100.0 * sum(t["refill_coverage"] >= 1.0 for t in tally) / len(tally),
                      "coverage": 100.0 * sum(t["refill_coverage"] for t in tally) / len(tally),
@@ -148,7 +157,7 @@ def write_choice(export: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
     config_path = export / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     inference = config.setdefault("acre", {}).setdefault("inference", {})
-    inference["scorer"], inference["neighbors"] = best["scorer"], best["neighbors"]
+    inference["scorer"], inference["neighbors"], inference["grow"] = best["scorer"], best["neighbors"], best.get("grow", 0)
     write_text_atomic(export / "calibration.json", json.dumps({**meta, "chosen": best["setting"], "rows": rows}, indent=2) + "\n")
     write_text_atomic(export / "calibration.md", f"# Refill scorer calibration\n\n{meta['data']}: {best['n']} questions, "
                       f"k = {meta['k']} of {meta['num_l1']} spans (medians); chosen: `{best['setting']}`\n\n" + markdown(rows))
@@ -175,6 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="mean,max", help="head pooling to sweep (default: mean,max)")
     parser.add_argument("--sinks", default="0,4", help="sink tokens per chunk start to sweep (default: 0,4)")
     parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
+    parser.add_argument("--grow", default="0,1,2,3,4",
+                        help="token-granular refill (l2 scorers): seed counts to sweep, 0 = whole spans (default: 0,1,2,3,4)")
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -208,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     n_layers = model.config.num_hidden_layers
     candidates = sweep(n_layers, kinds=kinds, layers=_ints(args.layers, "layers") if args.layers else None,
                        heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")],
-                       learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else ())
+                       learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else (),
+                       grow=_ints(args.grow, "grow"))
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
     examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,
@@ -220,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(rows))
     _, refill = inference_settings(data)
     meta = {"data": args.data, "squad": args.squad, "context_tokens": args.context_tokens, "seed": args.seed,
-            "k": rows[0]["k"], "num_l1": rows[0]["num_l1"], "seconds": round(seconds, 1), "before": refill.scorer.describe() + (" +neighbors" if refill.neighbors else "")}
+            "k": rows[0]["k"], "num_l1": rows[0]["num_l1"], "seconds": round(seconds, 1), "before": refill.describe_selection()}
     print(f"{rows[0]['n']} questions in {seconds:.0f}s; best: {rows[0]['setting']} "
           f"(whole evidence {rows[0]['covered']:.1f} %, was {meta['before']})")
     if args.dry_run:

@@ -146,7 +146,7 @@ def _learned_spec(recipe: dict[str, Any]) -> str:
 
 def trained_refill(recipe: dict[str, Any]) -> dict[str, Any]:
     """What a run trained in the refilled layout (``train.refill_sim``) answered with: its ``l``, W,
-    eta, scorer and neighbour rule, so the export answers in the layout the L1 weights learned (an export
+    eta, scorer and selection rule (neighbours, grow), so the export answers in the layout the L1 weights learned (an export
     flag or ``calibrate`` still overrides them). Empty for other runs."""
     sim = (recipe.get("train") or {}).get("refill_sim") or {}
     if not sim.get("enabled"):
@@ -156,6 +156,7 @@ def trained_refill(recipe: dict[str, Any]) -> dict[str, Any]:
     out = {k: int(sim[k]) for k in ("interval", "working_window", "max_refill") if sim.get(k) is not None}
     out["scorer"] = ScorerSettings.parse(sim.get("scorer") or "l1:layers=-1").describe()
     out["neighbors"] = bool(sim.get("neighbors"))
+    out["grow"] = int(sim.get("grow") or 0)
     return out
 
 

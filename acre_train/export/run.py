@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from ..infer.settings import SELECTION_KEYS
 from ..modeling.geometry import WindowGeometry
 
 
@@ -30,10 +31,10 @@ def export_run(source: str | Path, out_dir: str | Path, *, adapter_only: bool = 
     tok = load_tokenizer(tokenizer or loaded.tokenizer_spec, loaded.base_pointer)
     if tok is None:
         log("warning: no tokenizer found; the export holds none (pass --tokenizer)")
-    stored = WindowGeometry.from_mapping(loaded.inference, ignore=("scorer", "neighbors"))
+    stored = WindowGeometry.from_mapping(loaded.inference, ignore=SELECTION_KEYS)
     inference = stored.with_overrides(geometry or {}).inference_dict()
-    # The refill a refill-simulated run trained with (scorer, neighbours) rides along with its geometry.
-    inference.update({k: loaded.inference[k] for k in ("scorer", "neighbors") if k in loaded.inference})
+    # The refill a refill-simulated run trained with (scorer, selection) rides along with its geometry.
+    inference.update({k: loaded.inference[k] for k in SELECTION_KEYS if k in loaded.inference})
     record = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.meta.get("step"),
               "weights_from": loaded.weights_from, "base_model": loaded.meta.get("base_model")}
     scorer = None

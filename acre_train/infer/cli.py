@@ -32,6 +32,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scoring-layers", type=int, nargs="+", default=None, help="replace the scorer's layers")
     g.add_argument("--neighbors", action=argparse.BooleanOptionalAction, default=None,
                    help="each refilled span brings its better-scored neighbour (same budget k)")
+    g.add_argument("--grow", type=int, default=None, metavar="N",
+                   help="refill tokens, not whole spans (l2 scorers): the N best windows of l tokens grow toward their "
+                        "most-attended neighbouring tokens, same k*l budget; 0 = whole spans (default: the export's)")
     g.add_argument("--close-tail", action=argparse.BooleanOptionalAction, default=None,
                    help="run the context's unfinished last chunk once when the cache is built (a question then runs "
                         "only its own tokens; the tail attends to the L1 memory, not the refilled spans). "
@@ -62,7 +65,7 @@ def make_engine(args: argparse.Namespace):
         print(f"placed by the device map: {describe(model.hf_device_map)}")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
                                                 "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers", "scorer",
-                                                "neighbors")}
+                                                "neighbors", "grow")}
     cache_settings, refill = inference_settings(data, overrides)
     stored = bool(((data.get("acre") or {}).get("inference") or {}).get("close_tail", False))
     close_tail = stored if args.close_tail is None else bool(args.close_tail)
@@ -100,7 +103,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
             print(f"saved cache to {cache.save(args.save_cache)}")
     print(cache.summary())
     print(f"settings: {engine.cache_settings}, W={engine.refill.working_window}, eta={engine.refill.max_refill}, "
-          f"scorer {engine.refill.scorer.describe()}{' + neighbours' if engine.refill.neighbors else ''}")
+          f"scorer {engine.refill.describe_selection()}")
     print("Ask questions about the context (empty line or Ctrl-D to quit).")
     while True:
         print("> ", end="", flush=True)
@@ -171,7 +174,7 @@ def _answer_rows(args: argparse.Namespace, engine: Any, rows: list, caches: dict
                 "id": row.get("id", line_no), "question": row["question"], "answer": answer.text,
                 "context_tokens": cache.num_context_tokens, "num_l1": answer.num_l1, "k": answer.k,
                 "refilled_spans": len(answer.selected), "cache_length": answer.cache_length,
-                "scorer": engine.refill.scorer.describe() + (" +neighbors" if engine.refill.neighbors else ""),
+                "scorer": engine.refill.describe_selection(),
                 "cache_reused": reused, "build_s": round(build_s, 4),
                 **{k: round(v, 4) for k, v in answer.timings.items()},
                 "new_tokens": len(answer.token_ids),

@@ -24,7 +24,7 @@ from .placement import execution_device
 from .refill import assemble, num_selected
 from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
-from ..modeling.scorers import QuestionQueries, ScorerSettings, forced_spans, rank_spans, select_spans
+from ..modeling.scorers import QuestionQueries, ScorerSettings, choose_refill, rank_spans, span_tokens, spans_with
 from .settings import CacheSettings, RefillSettings
 
 
@@ -36,16 +36,18 @@ class Answer:
     text: str | None
     first_logits: torch.Tensor  # [V] next-token logits after the question (before decoding)
     scores: torch.Tensor | None  # [m] relevance of every L1 entry (None when no scoring was needed)
-    selected: list[int]  # L1 entries whose spans were refilled, in text order
+    selected: list[int]  # L1 entries whose spans were refilled (wholly, or in part with grow), in text order
     k: int
     num_l1: int
     cache_length: int  # refilled cache length P (L1 entries + refilled raw tokens)
     open_chunk: int = 0  # tokens after the refilled cache before decoding: raw tail + question + their L1 tokens
     timings: dict[str, float] = field(default_factory=dict)
+    refilled: torch.Tensor | None = None  # [N_closed] bool: the finished chunks' raw tokens refilled
 
     def describe(self) -> str:
         t = self.timings
-        return (f"refilled {len(self.selected)}/{self.num_l1} spans (k={self.k}), cache {self.cache_length} tokens; "
+        tokens = f", {int(self.refilled.sum())} tokens" if self.refilled is not None else ""
+        return (f"refilled {len(self.selected)}/{self.num_l1} spans{tokens} (k={self.k}), cache {self.cache_length} tokens; "
                 f"score {t.get('score_s', 0):.3f}s, refill {t.get('refill_s', 0):.3f}s, "
                 f"query {t.get('prefill_s', 0):.3f}s, decode {t.get('decode_s', 0):.3f}s "
                 f"({len(self.token_ids)} tokens)")
@@ -139,8 +141,9 @@ class AcreEngine:
                **overrides: Any) -> Answer:
         """Answer ``question`` from ``cache`` (the context is not re-encoded).
 
-        ``selected``: refill these spans (L1 entry indices) instead of scoring (oracle studies, and the
-        check that training in the refilled layout computes what this does).
+        ``selected``: refill these spans (L1 entry indices), or these tokens (a ``[N_closed]`` bool mask of
+        the finished raw tokens), instead of scoring (oracle studies, and the check that training in the
+        refilled layout computes what this does).
 
         The unfinished last chunk of the context (raw tail), the question and the answer form one open
         chunk after the refilled cache, whatever its length (it is not split at the stride): ``W``
@@ -160,22 +163,27 @@ class AcreEngine:
 
         tic = time.perf_counter()
         scores = None
-        if selected is not None:
+        if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool:
+            if len(selected) != int(cache.span_bounds[-1]):
+                raise ValueError(f"a token selection covers the {int(cache.span_bounds[-1])} finished raw tokens, got {len(selected)}")
+            refill_tokens = selected.cpu()
+        elif selected is not None:
             selected = torch.as_tensor(sorted(set(int(j) for j in selected)), dtype=torch.long)
             if len(selected) and not 0 <= int(selected[0]) <= int(selected[-1]) < m:
                 raise ValueError(f"selected spans must lie in 0..{m - 1}, got {selected.tolist()}")
+            refill_tokens = span_tokens(cache.span_bounds, selected)
         elif 0 < k < m:
             scorer = settings.scorer
             layers = scorer.resolved_layers(self.model.config.num_hidden_layers)
             queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
-            scores = rank_spans(self.model, cache, queries, scorer)
-            selected = select_spans(scores, k, neighbors=settings.neighbors, forced=forced_spans(cache, scorer))
+            scores, refill_tokens = choose_refill(self.model, cache, queries, scorer, k, neighbors=settings.neighbors,
+                                           grow=settings.grow)
         else:
-            selected = torch.arange(k)  # all or nothing: no need to score
+            refill_tokens = span_tokens(cache.span_bounds, torch.arange(k))  # all or nothing: no need to score
         timings["score_s"] = time.perf_counter() - tic
 
         tic = time.perf_counter()
-        refilled = assemble(self.model, cache, selected)
+        refilled = assemble(self.model, cache, refill_tokens)
         timings["refill_s"] = time.perf_counter() - tic
         self._check_room(refilled.length, len(plan), settings.max_new_tokens)
 
@@ -196,7 +204,8 @@ class AcreEngine:
         timings["decode_s"] = time.perf_counter() - tic
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return Answer(token_ids=tokens, text=text, first_logits=first_logits, scores=scores,
-                      selected=selected.tolist(), k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
+                      selected=torch.nonzero(spans_with(refill_tokens, cache.span_bounds)).flatten().tolist(),
+                      refilled=refill_tokens, k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
                       timings=timings)
 
     def open_chunk(self, cache: BiLayerCache, q_ids: Sequence[int], settings: RefillSettings | None = None):

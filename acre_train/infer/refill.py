@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .cache import BiLayerCache
-from ..modeling.scorers import select_spans
+from ..modeling.scorers import select_spans, span_tokens
 from ..modeling.rope import Rope
 
 
@@ -49,28 +49,28 @@ class Assembled:
 def refill_layout(cache: BiLayerCache, selected: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where every cached token goes: ``(l2_index, l2_slots, l1_slots)``.
 
-    Entry ``j``'s span goes immediately before L1 entry ``j``; pending raw tokens (their L1 token lies in
+    ``selected``: span indices (L1 entries whose whole span is refilled) or a ``[N_closed]`` bool mask
+    of the finished chunks' raw tokens to refill (token-granular refill). The refilled tokens of span
+    ``j`` go immediately before L1 entry ``j``, in text order; pending raw tokens (their L1 token lies in
     the open chunk) go last, where they sit in the text. Slots are contiguous positions ``0..P-1``.
     """
     bounds = cache.span_bounds.numpy()
     m = cache.num_l1
-    take = np.zeros(m, dtype=bool)
-    take[selected.numpy()] = True
-    lengths = np.where(take, np.diff(bounds), 0)
-    # Slot of L1 entry j = refilled tokens up to and including span j, plus the j L1 entries before it.
-    l1_slots = np.cumsum(lengths) + np.arange(m)
-    starts = l1_slots - lengths
-    l2_index = [np.arange(bounds[j], bounds[j + 1]) for j in np.nonzero(take)[0]]
-    l2_slots = [np.arange(starts[j], l1_slots[j]) for j in np.nonzero(take)[0]]
+    mask = selected if selected.dtype == torch.bool else span_tokens(cache.span_bounds, selected)
+    index = np.flatnonzero(mask.numpy())
+    owner = np.repeat(np.arange(m), np.diff(bounds))[index]  # the span of every refilled token
+    # A refilled token follows the refilled tokens before it and the L1 entries of the spans before its own.
+    l2_slots = np.arange(len(index)) + owner
+    l1_slots = np.cumsum(np.bincount(owner, minlength=m)) + np.arange(m)
     end = int(l1_slots[-1]) + 1 if m else 0
     pending = np.arange(int(bounds[-1]), cache.num_l2)
-    l2_index.append(pending)
-    l2_slots.append(end + np.arange(len(pending)))
-    return np.concatenate(l2_index).astype(np.int64), np.concatenate(l2_slots).astype(np.int64), l1_slots.astype(np.int64)
+    return (np.concatenate([index, pending]).astype(np.int64), np.concatenate([l2_slots, end + np.arange(len(pending))]).astype(np.int64),
+            l1_slots.astype(np.int64))
 
 
 def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor) -> Assembled:
-    """Refill the selected spans next to their L1 entries and rotate everything at ``0..P-1``.
+    """Refill the selected spans (or tokens: see :func:`refill_layout`) next to their L1 entries and rotate
+    everything at ``0..P-1``.
 
     Only the selected L2 tokens travel from CPU to the device.
     """

@@ -41,12 +41,16 @@ class RefillSettings:
     ``scorer``: how spans are ranked (:class:`ScorerSettings`, or its spec string such as
     ``"l2:layers=3,heads=max,sinks=4"``; default: the paper's L1-key scorer at the last layer).
     ``neighbors``: each chosen span brings its better-scored neighbour, within the same ``k``.
+    ``grow``: refill tokens, not whole spans, within the same ``k * l`` tokens: the ``grow`` best
+    windows of ``l`` tokens seed the refill and grow toward their most-attended neighbouring tokens
+    (``modeling/scorers.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
     """
 
     working_window: int = DEFAULT_WORKING_WINDOW
     max_refill: int = DEFAULT_MAX_REFILL
     scorer: ScorerSettings = field(default_factory=ScorerSettings)
     neighbors: bool = False
+    grow: int = 0
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -58,11 +62,50 @@ class RefillSettings:
         if self.working_window < 1 or self.max_refill < 0:
             raise ValueError("working_window must be >= 1 and max_refill >= 0")
         object.__setattr__(self, "scorer", ScorerSettings.parse(self.scorer))
+        check_selection(self.scorer, self.neighbors, self.grow)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
 
+    def describe_selection(self) -> str:
+        """The scorer and the selection rule, as tables and logs print them: ``l2:layers=3 +grow=2``."""
+        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow)
+
     def replace(self, **changes: Any) -> "RefillSettings":
         return RefillSettings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+# What an export's ``acre.inference`` stores about the refill besides the geometry (``calibrate`` writes them).
+SELECTION_KEYS = ("scorer", "neighbors", "grow")
+
+
+def selection_suffix(neighbors: bool, grow: int) -> str:
+    """How tables and logs name the selection rule after the scorer: ``" +neighbors"``, ``" +grow=2"``."""
+    return " +neighbors" if neighbors else f" +grow={grow}" if grow else ""
+
+
+def pick_selection(stored: Mapping[str, Any], neighbors: bool | None, grow: int | None) -> tuple[bool, int]:
+    """``(neighbors, grow)``: the given ones over the ``stored`` ones (None = keep). The two rules exclude
+    each other, so asking for one switches the stored other off.
+
+    >>> pick_selection({"neighbors": True}, None, 2), pick_selection({"grow": 2}, True, None)
+    ((False, 2), (True, 0))
+    """
+    if grow is None:
+        grow = 0 if neighbors else int(stored.get("grow", 0) or 0)
+    if neighbors is None:
+        neighbors = False if grow else bool(stored.get("neighbors", False))
+    return bool(neighbors), int(grow)
+
+
+def check_selection(scorer: ScorerSettings, neighbors: bool, grow: int) -> None:
+    """One line for a selection that cannot be made (raised where the setting is read)."""
+    if grow < 0:
+        raise ValueError(f"grow must be >= 0 (0: whole spans), got {grow}")
+    if grow and neighbors:
+        raise ValueError("choose neighbors (whole spans) or grow (tokens), not both")
+    if grow and scorer.kind != "l2":
+        raise ValueError(f"grow refills tokens by the l2 scorer's per-token mass; the scorer {scorer.describe()} "
+                         "ranks whole spans (use an l2 scorer, or grow=0)")
 
 
 def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None
@@ -71,8 +114,8 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
 
     ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
     carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``), ``scorer`` (a spec
-    string or mapping), ``scoring_layers`` (replaces the scorer's layers) and ``neighbors``. The export's
-    ``inference.scorer`` / ``inference.neighbors`` (written by ``acre-train calibrate``) come first.
+    string or mapping), ``scoring_layers`` (replaces the scorer's layers), ``neighbors`` and ``grow``. The
+    export's ``inference.scorer`` / ``neighbors`` / ``grow`` (written by ``acre-train calibrate``) come first.
 
     >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
     >>> cache.first_chunk, cache.interval, refill.max_refill
@@ -91,7 +134,6 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     scorer = ScorerSettings.parse(overrides.get("scorer") or stored.get("scorer") or ScorerSettings())
     if overrides.get("scoring_layers") is not None:
         scorer = replace_(scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
-    neighbors = overrides.get("neighbors")
-    neighbors = bool(stored.get("neighbors", False) if neighbors is None else neighbors)
+    neighbors, grow = pick_selection(stored, overrides.get("neighbors"), overrides.get("grow"))
     return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill,
-                                 scorer=scorer, neighbors=neighbors, **extra)
+                                 scorer=scorer, neighbors=neighbors, grow=grow, **extra)

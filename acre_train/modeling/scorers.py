@@ -215,26 +215,43 @@ def score_entries(queries: list[torch.Tensor], keys: list[torch.Tensor], tempera
     return score_l1(queries, keys, "mean", temperature)
 
 
-def score_l2(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor], span_bounds: torch.Tensor,
-             heads: str = "mean", ignore: torch.Tensor | None = None) -> torch.Tensor:
-    """Raw-key attention mass per span.
+def l2_mass(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor],
+            ignore: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per scoring layer, the question's attention over the raw keys: ``[H, n, N2]`` (fp32).
 
     ``queries[i] [H, n, D]`` rotated at their text positions (after the context); ``l2_keys_rot[i]
     [H_kv, N2, D]`` rotated at ``0..N2-1``; ``ignore [N2]`` bool: tokens left out of the softmax.
     """
-    bounds = span_bounds.to(torch.long)
-    per_layer = []
+    out = []
     for q, k in zip(queries, l2_keys_rot, strict=True):
         logits = _grouped_logits(q.float(), k.to(q.device))
         if ignore is not None and bool(ignore.any()):
             logits = logits.masked_fill(ignore.to(logits.device), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        # Sum per span through a prefix sum over the L2 axis (spans are contiguous).
+        out.append(torch.softmax(logits, dim=-1))
+    return out
+
+
+def segment_scores(mass: Sequence[torch.Tensor], starts: torch.Tensor, ends: torch.Tensor,
+                   heads: str = "mean") -> torch.Tensor:
+    """The mass of each token segment ``[starts[i], ends[i])``, pooled like every scorer: per layer,
+    per question token, pool the heads; then the mean over question tokens and over layers.
+
+    Spans, windows and single tokens are all segments, so a window that is a span scores as that span.
+    """
+    per_layer = []
+    for probs in mass:
+        # Sum per segment through a prefix sum over the L2 axis (segments are contiguous).
         csum = torch.cat([probs.new_zeros(*probs.shape[:2], 1), probs.cumsum(-1)], dim=-1)
-        b = bounds.to(probs.device)
-        per_span = csum[..., b[1:]] - csum[..., b[:-1]]
-        per_layer.append(_pool(per_span, heads))
+        a, b = starts.to(probs.device, torch.long), ends.to(probs.device, torch.long)
+        per_layer.append(_pool(csum[..., b] - csum[..., a], heads))
     return torch.stack(per_layer).mean(dim=0)
+
+
+def score_l2(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor], span_bounds: torch.Tensor,
+             heads: str = "mean", ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw-key attention mass per span (see :func:`l2_mass` for the arguments)."""
+    bounds = span_bounds.to(torch.long)
+    return segment_scores(l2_mass(queries, l2_keys_rot, ignore), bounds[:-1], bounds[1:], heads)
 
 
 def key_bounds(l2_keys_rot: torch.Tensor, span_bounds: torch.Tensor, ignore: torch.Tensor | None = None
@@ -319,6 +336,75 @@ def select_spans(scores: torch.Tensor, k: int, *, neighbors: bool = False,
     return torch.nonzero(taken).flatten()
 
 
+def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, width: int, seeds: int,
+                heads: str = "mean", taken: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-granular refill: ``[num_tokens]`` bool, at most ``budget`` tokens taken.
+
+    Evidence rarely sits on span boundaries: a needle cut in two comes back by half, a sentence longer
+    than a span not at all. So: the ``seeds`` best windows of ``width`` tokens are taken first (each at
+    least ``width`` tokens clear of what is taken), then the rest of the budget grows the taken regions
+    one token at a time, always by the untaken neighbouring token with the most mass. ``mass``: per
+    layer ``[H, n, N2]`` (:func:`l2_mass`), pooled as every scorer is; ``taken``: tokens refilled
+    whatever their score (kept sinks, forced evidence), counted in the budget.
+
+    The greedy growth follows the attention: a seed grows into the sentence around it while it
+    is attended, and stops growing where another region's edge is attended more.
+    """
+    import heapq
+
+    taken = torch.zeros(num_tokens, dtype=torch.bool) if taken is None else taken[:num_tokens].clone().cpu()
+    width = max(1, min(width, num_tokens))
+    if num_tokens == 0 or budget <= 0:
+        return taken
+    grid = torch.arange(num_tokens + 1)
+    window = segment_scores(mass, grid[: num_tokens - width + 1], grid[width:], heads).cpu()
+    token = segment_scores(mass, grid[:-1], grid[1:], heads).cpu().tolist()
+    used, placed = int(taken.sum()), 0
+    for s in torch.argsort(window, descending=True, stable=True).tolist():
+        if placed >= seeds or used + width > budget:
+            break
+        if taken[max(0, s - width) : s + 2 * width].any():
+            continue
+        taken[s : s + width] = True
+        used, placed = used + width, placed + 1
+    frontier: list[tuple[float, int]] = []
+
+    def push(t: int) -> None:
+        if 0 <= t < num_tokens and not taken[t]:
+            heapq.heappush(frontier, (-token[t], t))
+
+    for t in torch.nonzero(taken).flatten().tolist():
+        push(t - 1)
+        push(t + 1)
+    while used < budget:
+        if not frontier:  # nothing taken yet, or all of it bordered: start again at the best free token
+            free = [t for t in range(num_tokens) if not taken[t]]
+            if not free:
+                break
+            push(max(free, key=lambda t: (token[t], -t)))
+        _, t = heapq.heappop(frontier)
+        if taken[t]:
+            continue
+        taken[t] = True
+        used += 1
+        push(t - 1)
+        push(t + 1)
+    return taken
+
+
+def span_tokens(span_bounds: torch.Tensor, spans: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``[span_bounds[-1]]`` bool: the tokens of ``spans`` (L1 entry indices).
+
+    >>> span_tokens(torch.tensor([0, 2, 5, 6]), [1]).tolist()
+    [False, False, True, True, True, False]
+    """
+    bounds = span_bounds.to(torch.long).cpu()
+    out = torch.zeros(int(bounds[-1]) if len(bounds) else 0, dtype=torch.bool)
+    for j in torch.as_tensor(spans, dtype=torch.long).flatten().tolist():
+        out[int(bounds[j]) : int(bounds[j + 1])] = True
+    return out
+
+
 # ------------------------------------------------------------------------------- on a cache
 
 @dataclass
@@ -375,11 +461,45 @@ def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -
     if scorer.kind == "l1":
         qs = [queries.learned(model, qmap, x, "memory") if qmap else queries.by_layer[x].float() for x in layers]
         return score_l1(qs, [cache.l1_keys_rot[x] for x in layers], scorer.heads)
-    qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
     if scorer.kind == "l2":
-        ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None
-        return score_l2(qs, [queries.l2_keys(model, cache, x) for x in layers], cache.span_bounds, scorer.heads, ignore)
+        bounds = cache.span_bounds.to(torch.long)
+        return segment_scores(question_mass(model, cache, queries, scorer), bounds[:-1], bounds[1:], scorer.heads)
+    qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
     return score_bounds(qs, [cache.key_box(model, x, scorer.sinks) for x in layers], scorer.heads)
+
+
+def question_mass(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -> list[torch.Tensor]:
+    """The ``l2`` scorer's per-token mass of the question (:func:`l2_mass`, one per scoring layer)."""
+    layers = scorer.resolved_layers(model.config.num_hidden_layers)
+    qmap = _query_map(model, scorer, layers) if scorer.learned else None
+    qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
+    ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None
+    return l2_mass(qs, [queries.l2_keys(model, cache, x) for x in layers], ignore)
+
+
+def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings, k: int, *, neighbors: bool = False,
+                  grow: int = 0, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores [m], refilled [N_closed] bool)``: rank the spans of ``cache`` and pick what to refill.
+
+    The budget is ``k`` spans of ``l`` tokens. ``grow = 0``: whole spans (:func:`select_spans`, with
+    ``neighbors``); ``grow = N``: tokens (:func:`grow_tokens` from ``N`` seeds; ``l2`` scorers only).
+    ``forced [m]`` bool: spans refilled first (with ``keep_sinks``, the sink spans are added to them).
+    """
+    sinks = forced_spans(cache, scorer)
+    if sinks is not None:
+        forced = sinks if forced is None else (forced | sinks)
+    if not grow:
+        scores = rank_spans(model, cache, queries, scorer)
+        return scores, span_tokens(cache.span_bounds, select_spans(scores, k, neighbors=neighbors, forced=forced))
+    if scorer.kind != "l2":
+        raise ValueError(f"refill grow needs the l2 scorer's per-token mass; {scorer.describe()} ranks whole spans")
+    mass = question_mass(model, cache, queries, scorer)
+    bounds = cache.span_bounds.to(torch.long)
+    scores = segment_scores(mass, bounds[:-1], bounds[1:], scorer.heads)
+    taken = span_tokens(bounds, torch.nonzero(forced).flatten()[:k]) if forced is not None else None
+    interval = int(torch.diff(bounds).max()) if len(bounds) > 1 else 1
+    return scores, grow_tokens(mass, num_tokens=int(bounds[-1]), budget=k * interval, width=interval, seeds=grow,
+                               heads=scorer.heads, taken=taken)
 
 
 def _query_map(model, scorer: ScorerSettings, layers: list[int]):

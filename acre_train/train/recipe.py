@@ -130,6 +130,7 @@ class RefillSimSection(_Section):
     max_refill: int | None = Field(None, ge=0)
     scorer: str = "l1:layers=-1"
     neighbors: bool = False
+    grow: int = Field(0, ge=0)  # token-granular refill from this many seeds (infer/settings.py: RefillSettings)
 
     @field_validator("scorer")
     @classmethod

@@ -9,8 +9,8 @@ module trains in that second layout, built from the inference code itself:
    context; chunk ``t`` sees the L1 entries of chunks ``< t`` and itself), keeping every layer's keys
    and values *with their gradients*;
 2. a no-grad scoring pass picks the spans exactly as ``AcreEngine.answer`` does: the same
-   ``open_chunk`` plan and ``k = floor(min(W - m, eta) / l)``, the same ``refill.scorer``,
-   ``select_spans`` and sink rule. With probability ``force_evidence`` the spans holding the evidence
+   ``open_chunk`` plan and ``k = floor(min(W - m, eta) / l)``, the same ``refill.scorer`` and
+   selection (``choose_refill``: spans or grown tokens, sink rule). With probability ``force_evidence`` the spans holding the evidence
    are taken first (teacher forcing), the rest by score;
 3. the selected spans' raw keys/values are placed before their L1 entries by ``refill_layout`` (the
    function inference assembles with) and rotated at ``0..P-1``;
@@ -34,7 +34,7 @@ from torch import nn
 
 from ..infer.cache import BiLayerCache, finished_chunks, span_layout
 from ..infer.refill import refill_layout
-from ..modeling.scorers import ScorerSettings, forced_spans, rank_spans, select_spans, spans_with
+from ..modeling.scorers import ScorerSettings, choose_refill, span_tokens, spans_with
 from ..infer.settings import CacheSettings, RefillSettings
 from ..modeling.interleave import IGNORE_INDEX, interleave
 from ..modeling.rope import Rope
@@ -53,6 +53,7 @@ class SimSettings:
     max_refill: int
     scorer: ScorerSettings
     neighbors: bool = False
+    grow: int = 0
     k: int | None = None  # None: inference's k from W and eta
     force_evidence: float = 0.0
 
@@ -61,7 +62,7 @@ class SimSettings:
 
     def refill(self) -> RefillSettings:
         return RefillSettings(working_window=self.working_window, max_refill=self.max_refill, scorer=self.scorer,
-                              neighbors=self.neighbors)
+                              neighbors=self.neighbors, grow=self.grow)
 
 
 # ------------------------------------------------------------------------------- one sample, numpy
@@ -166,10 +167,12 @@ def unpad(batch: dict[str, torch.Tensor], b: int) -> dict[str, torch.Tensor]:
 
 def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: SimSettings, *, kernel: str | None = None,
                 selected: Sequence[Sequence[int]] | None = None, return_logits: bool = False):
-    """``[(open-chunk AcreOutput, selected spans)]`` of one sample in the refilled layout, one per question.
+    """``[(open-chunk AcreOutput, refilled tokens)]`` of one sample in the refilled layout, one per question
+    (the tokens as a ``[N_closed]`` bool mask over the context's finished chunks, as ``Answer.refilled``).
 
     The context runs once; every question refills and answers over it on its own. ``selected[j]``
-    fixes question ``j``'s spans (tests, oracle studies); otherwise they are chosen as inference does.
+    fixes question ``j``'s spans or tokens (a bool mask; tests, oracle studies); otherwise they are chosen
+    as inference does.
     """
     from ..infer.engine import AcreEngine
     from ..modeling.adapter import acre_forward
@@ -196,7 +199,9 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
             evidence = sample["evidence_spans"][j * m : (j + 1) * m].bool().cpu() if bool(sample["force"][j]) else None
             chosen = choose(engine, cache, q_ids, settings, evidence=evidence)
         else:
-            chosen = torch.as_tensor(list(selected[j]), dtype=torch.long)
+            fixed = selected[j]
+            chosen = fixed.cpu() if isinstance(fixed, torch.Tensor) and fixed.dtype == torch.bool else \
+                span_tokens(cache.span_bounds, list(fixed))
         prefix = _refilled_prefix(model, keys, values, ctx_is_l1, cache, chosen, layers)
         length = prefix[0][0].shape[2] if prefix else 0
         mine = sample["open_question"] == j
@@ -216,22 +221,22 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
 
 def choose(engine, cache: BiLayerCache, q_ids: list[int], settings: SimSettings, *,
            evidence: torch.Tensor | None = None) -> torch.Tensor:
-    """The spans inference would refill for this question (``evidence`` ``[m]`` bool: those first)."""
+    """What inference would refill for this question, as a ``[N_closed]`` bool token mask (``evidence``
+    ``[m]`` bool: those spans first)."""
     plan, k = engine.open_chunk(cache, q_ids)
     if settings.k is not None:
         k = max(0, min(settings.k, cache.num_l1))
     m = cache.num_l1
     if not 0 < k < m:
-        return torch.arange(k)
+        return span_tokens(cache.span_bounds, torch.arange(k))
     scorer = settings.scorer
-    forced = forced_spans(cache, scorer)
-    if evidence is not None and bool(evidence.any()):
-        forced = evidence if forced is None else (evidence | forced)
+    forced = evidence if evidence is not None and bool(evidence.any()) else None
     with torch.no_grad():
         queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids),
                                           layers=scorer.resolved_layers(engine.model.config.num_hidden_layers))
-        scores = rank_spans(engine.model, cache, queries, scorer)
-    return select_spans(scores, k, neighbors=settings.neighbors, forced=forced)
+        _, tokens = choose_refill(engine.model, cache, queries, scorer, k, neighbors=settings.neighbors,
+                                  grow=settings.grow, forced=forced)
+    return tokens
 
 
 def _cache_view(model: nn.Module, keys, values, ctx_is_l1: torch.Tensor, sample, settings: SimSettings) -> BiLayerCache:
@@ -260,7 +265,7 @@ def _cache_view(model: nn.Module, keys, values, ctx_is_l1: torch.Tensor, sample,
 
 def _refilled_prefix(model, keys, values, ctx_is_l1, cache: BiLayerCache, selected: torch.Tensor, layers: int):
     """Per layer ``(keys [1, H_kv, P, D] rotated at 0..P-1, values)``, differentiable: the L1 entries and
-    the selected spans in ``refill_layout``'s order, gathered from the captured context."""
+    the selected tokens (or spans) in ``refill_layout``'s order, gathered from the captured context."""
     if not keys:
         return None
     l2_index, l2_slots, l1_slots = refill_layout(cache, selected.cpu())

@@ -82,6 +82,10 @@ RUNS: dict[str, Run] = {
     "stage2-sim-long": Run("qwen2.5-0.5b-stage2-sim-lora-120", "stage2-sim",
                            _acre("stage 1+2 refill-simulated (120 + 120 steps)"), ("train.max_steps=120",),
                            start="stage1-long"),
+    # The training issue's distilled row: stage1-long's data, order, seed and lr, half its steps, the loss
+    # weight * KL(base with full attention || ACRE) + (1 - weight) * CE (CEPE's KL x2 + LM is weight 2/3).
+    "stage1-distill": Run("qwen2.5-0.5b-stage1-distill-lora-60", "stage1", _acre("stage 1 distilled (60 steps)"),
+                          ("train.max_steps=60", "train.distill.weight=0.5")),
 }
 STEPS = ("streams", "corpus", *RUNS, "export", "eval", "report")
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)

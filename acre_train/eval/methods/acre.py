@@ -12,7 +12,7 @@ inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``
 ``close_tail=1`` runs the context's raw tail once at build time (it then attends to the L1 memory,
 not to the refilled spans) so that a question runs only its own tokens.
 
-The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``;
+The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``, ``grow``;
 modeling/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
 without ``scorer`` the other options change the stored one.
 
@@ -53,6 +53,7 @@ class Acre(EvalMethod):
     sinks: int = -1
     keep_sinks: int = -1
     neighbors: int = -1
+    grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
     close_tail: int = 0  # 1: the raw tail runs once at build time (AcreEngine(close_tail=True))
 
     def check(self) -> None:
@@ -98,13 +99,15 @@ class Acre(EvalMethod):
     def prepare(self, model, tokenizer, example: PreparedExample) -> Any:
         from ...infer import AcreEngine
         from ...modeling import is_acre_model
-        from ...infer.settings import inference_settings
+        from ...infer.settings import inference_settings, pick_selection
 
         if not is_acre_model(model):
             raise ValueError(f"method {self.name!r} needs an ACRE model (an 'acre-train export' folder)")
         cache_settings, refill = inference_settings(model.config, self.overrides())
-        refill = refill.replace(scorer=self.scorer_settings(refill.scorer),
-                                neighbors=bool(self.neighbors) if self.neighbors >= 0 else refill.neighbors)
+        neighbors, grow = pick_selection({"neighbors": refill.neighbors, "grow": refill.grow},
+                                         bool(self.neighbors) if self.neighbors >= 0 else None,
+                                         self.grow if self.grow >= 0 else None)
+        refill = refill.replace(scorer=self.scorer_settings(refill.scorer), neighbors=neighbors, grow=grow)
         engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=bool(self.close_tail))
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
@@ -126,8 +129,8 @@ class Acre(EvalMethod):
             ttft_s=t.get("score_s", 0.0) + t.get("refill_s", 0.0) + t.get("prefill_s", 0.0),
         )
         extra = {"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected,
-                 "acre_scorer": engine.refill.scorer.describe() + (",neighbors" if engine.refill.neighbors else ""),
-                 **refill_recall(tokenizer, example, cache, ans.selected, ans.scores)}
+                 "acre_scorer": engine.refill.describe_selection(),
+                 **refill_recall(tokenizer, example, cache, ans.refilled, ans.scores)}
         return MethodResult(prediction=decode_text(tokenizer, ans.token_ids, generation.stop_ids),
                             output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits, extra=extra)
 
@@ -188,14 +191,16 @@ def _answer_sentence_tokens(tokenizer, text: str, answers: list[str], pos: int, 
     return [(pos + a, pos + b) for a, b in _token_span(enc["offset_mapping"], [sentence])]
 
 
-def refill_recall(tokenizer, example: PreparedExample, cache, selected: list[int],
-                  scores=None) -> dict[str, Any]:
+def refill_recall(tokenizer, example: PreparedExample, cache, selected, scores=None) -> dict[str, Any]:
     """Did refilling bring the evidence back? See :func:`evidence_visibility`."""
     return evidence_visibility(evidence_token_ranges(tokenizer, example), cache, selected, scores)
 
 
-def evidence_visibility(evidence: list[tuple[int, int]], cache, selected: list[int], scores=None) -> dict[str, Any]:
+def evidence_visibility(evidence: list[tuple[int, int]], cache, selected, scores=None) -> dict[str, Any]:
     """How much of the ``evidence`` (token ranges of the context) a question saw after refilling.
+
+    ``selected``: the refilled spans (L1 entry indices), or the refilled tokens (``[N_closed]`` bool, as
+    ``Answer.refilled``).
 
     ``refill_recall``: share of evidence ranges that overlap a refilled span or the raw tail (which the
     question always sees); ``refill_coverage``: share of evidence *tokens* so visible;
@@ -205,13 +210,15 @@ def evidence_visibility(evidence: list[tuple[int, int]], cache, selected: list[i
     """
     if not evidence:
         return {"refill_recall": None, "refill_coverage": None, "refill_visible_share": None, "refill_rank": None}
+    from ...modeling.scorers import span_tokens
+
     bounds = cache.span_bounds.tolist()
     n_ctx = cache.num_context_tokens
+    tokens = selected if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool else \
+        span_tokens(cache.span_bounds, list(selected))
     # Pending raw tokens (after the last span, before the tail) are always refilled, like the tail.
-    visible = [(bounds[j], bounds[j + 1]) for j in selected] + [(bounds[-1], n_ctx)]
-    seen = torch.zeros(n_ctx, dtype=torch.bool)
-    for a, b in visible:
-        seen[a:b] = True
+    seen = torch.ones(n_ctx, dtype=torch.bool)
+    seen[: len(tokens)] = tokens
     hits = sum(bool(seen[a:b].any()) for a, b in evidence)
     tokens = sum(b - a for a, b in evidence)
     coverage = sum(int(seen[a:b].sum()) for a, b in evidence) / max(1, tokens)

@@ -1,0 +1,87 @@
+"""Grown refills (``refill.grow``) on the real 0.5B base: the held-out cells with the best trained row of each.
+
+Not part of the installed package. Run from a checkout, after ``studies/scorer/run.py`` made its root::
+
+    python studies/scorer/grow.py --root checkpoints/scorer-study --cells 4096/niah_multikey,2048/squad
+
+Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
+stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
+(the same dev questions as every other calibration: needles at seed 1000, SQuAD training articles;
+``--grow`` swept beside whole spans and neighbours), evaluates the 120 held-out questions (seeds 777-779)
+with the chosen setting, and pairs every question with that row's committed cell (the same export and
+questions, whole-span selection). ``--full`` adds full attention on the seeds whose committed cell
+lacks it, so the answer-when-refilled can be set against full attention on the same questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as study  # noqa: E402
+from run import DEV_SEED, EVAL_SEEDS, REPO, log  # noqa: E402
+
+DOCS = REPO / "docs/real-base"
+# cell -> (export it starts from, its committed cell, that cell's method, calibration layer, dev questions)
+CELLS = {
+    "4096/niah_multikey": ("stage1-long", DOCS / "training/ladder/4096/niah_multikey/stage1-long",
+                           "acre:scorer=l2:layers=3:heads=max:sinks=0:keep_sinks=0:neighbors=1", 3, 60),
+    "2048/squad": ("stage2-sim-long", DOCS / "training/2048/squad",
+                   "acre:scorer=l2:layers=7:heads=max:sinks=4:keep_sinks=1:neighbors=1", 7, 100),
+}
+
+
+def calibrated_export(root: Path, cell: str) -> Path:
+    length, task = cell.split("/")
+    start, _, _, layer, count = CELLS[cell]
+    export = root / "exports" / f"grow-{length}-{task}"
+    if (export / "calibration.json").is_file():
+        return export
+    tmp = export.with_name(export.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(root / "exports" / start, tmp)
+    cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(root / "squad-train.json"),
+           "--context-tokens", length, "--num-examples", str(count), "--seed", str(DEV_SEED), "--scorers", "l2",
+           "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--no-progress"]
+    log(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+    shutil.rmtree(export, ignore_errors=True)
+    tmp.replace(export)
+    return export
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
+    parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
+    parser.add_argument("--full", action="store_true", help="add full attention (4K multikey: its cell has none)")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    for cell in args.cells.split(","):
+        length, task = int(cell.split("/")[0]), cell.split("/")[1]
+        start, committed, method, _, _ = CELLS[cell]
+        export = calibrated_export(root, cell)
+        out = root / "eval" / "grow" / str(length) / task
+        rows = "acre,full" if args.full else "acre"
+        study.evaluate(export, length, task, root / "squad-heldout.json", out, seeds=seeds, rows=rows, adapter=start)
+        comparison = study.paired(committed, method, out, "acre")
+        docs = DOCS / "scorer" / "grow" / str(length) / task
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(docs, ignore_errors=True)
+        shutil.copytree(out, docs)
+        (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+        log(f"cell {cell}: grown - whole spans {comparison['other_minus_base']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
