@@ -13,8 +13,6 @@ evaluates the 2K SQuAD cell's 120 held-out questions with the same export and ca
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -41,12 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{export} is missing: run studies/scorer/run.py --root {root} --cells {spec} first")
         out = root / "eval" / "close-tail" / str(length) / task
         study.evaluate(export, length, task, root / "squad-heldout.json", out, rows="acre:close_tail=1")
-        comparison = study.paired(root / "eval" / str(length) / task, "acre", out, "acre:close_tail=1")
-        docs = Path(args.docs) / str(length) / task
-        docs.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(docs, ignore_errors=True)
-        shutil.copytree(out, docs)
-        (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+        comparison = study.publish(out, Path(args.docs) / str(length) / task, root / "eval" / str(length) / task,
+                                   "acre", "acre:close_tail=1")
         log(f"cell {spec}: close_tail - plain {comparison['other_minus_base']}")
     return 0
 

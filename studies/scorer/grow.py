@@ -70,15 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
         start, committed, method, _, _ = CELLS[cell]
         export = calibrated_export(root, cell)
+        chosen = json.loads((export / "calibration.json").read_text())["rows"][0]
+        if not chosen.get("grow"):
+            log(f"cell {cell}: calibration kept whole spans ({chosen['setting']}); {committed} measures that setting")
+            continue
         out = root / "eval" / "grow" / str(length) / task
         rows = "acre,full" if args.full else "acre"
         study.evaluate(export, length, task, root / "squad-heldout.json", out, seeds=seeds, rows=rows, adapter=start)
-        comparison = study.paired(committed, method, out, "acre")
-        docs = DOCS / "scorer" / "grow" / str(length) / task
-        docs.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(docs, ignore_errors=True)
-        shutil.copytree(out, docs)
-        (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+        comparison = study.publish(out, DOCS / "scorer" / "grow" / str(length) / task, committed, method, "acre")
         log(f"cell {cell}: grown - whole spans {comparison['other_minus_base']}")
     return 0
 

@@ -164,6 +164,17 @@ def paired(base_dir: Path, base_row: str, other_dir: Path, other_row: str) -> di
     return summary
 
 
+def publish(out: Path, docs: Path, base_dir: Path, base_row: str, other_row: str) -> dict:
+    """Copy a finished cell ``out`` to ``docs`` with ``paired.json``: its ``other_row`` against ``base_row``
+    of the cell in ``base_dir``, question by question (see :func:`paired`)."""
+    comparison = paired(base_dir, base_row, out, other_row)
+    shutil.rmtree(docs, ignore_errors=True)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(out, docs)
+    (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    return comparison
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article here)")

@@ -134,11 +134,7 @@ def plain_setting(calibration: Path) -> str:
 
 def publish_cell(out: Path, docs: Path, plain: Path, row: str, name: str) -> None:
     """Copy a finished cell to ``docs`` with its paired comparison against the plain row's cell."""
-    shutil.rmtree(docs, ignore_errors=True)
-    docs.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(out, docs)
-    comparison = scorer_study.paired(plain, "acre", out, row)
-    (docs / "paired.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    comparison = scorer_study.publish(out, docs, plain, "acre", row)
     log(f"cell {name}: {json.dumps(comparison)}")
 
 
