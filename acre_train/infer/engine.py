@@ -165,7 +165,8 @@ class AcreEngine:
         scores = None
         if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool:
             if len(selected) != int(cache.span_bounds[-1]):
-                raise ValueError(f"a token selection covers the {int(cache.span_bounds[-1])} finished raw tokens, got {len(selected)}")
+                raise ValueError(f"a token selection covers the {int(cache.span_bounds[-1])} finished raw tokens, "
+                                 f"got {len(selected)}")
             refill_tokens = selected.cpu()
         elif selected is not None:
             selected = torch.as_tensor(sorted(set(int(j) for j in selected)), dtype=torch.long)

@@ -64,8 +64,8 @@ def refill_layout(cache: BiLayerCache, selected: torch.Tensor) -> tuple[np.ndarr
     l1_slots = np.cumsum(np.bincount(owner, minlength=m)) + np.arange(m)
     end = int(l1_slots[-1]) + 1 if m else 0
     pending = np.arange(int(bounds[-1]), cache.num_l2)
-    return (np.concatenate([index, pending]).astype(np.int64), np.concatenate([l2_slots, end + np.arange(len(pending))]).astype(np.int64),
-            l1_slots.astype(np.int64))
+    l2_index = np.concatenate([index, pending]).astype(np.int64)
+    return l2_index, np.concatenate([l2_slots, end + np.arange(len(pending))]).astype(np.int64), l1_slots.astype(np.int64)
 
 
 def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor) -> Assembled:

@@ -10,8 +10,8 @@ module trains in that second layout, built from the inference code itself:
    and values *with their gradients*;
 2. a no-grad scoring pass picks the spans exactly as ``AcreEngine.answer`` does: the same
    ``open_chunk`` plan and ``k = floor(min(W - m, eta) / l)``, the same ``refill.scorer`` and
-   selection (``choose_refill``: spans or grown tokens, sink rule). With probability ``force_evidence`` the spans holding the evidence
-   are taken first (teacher forcing), the rest by score;
+   selection (``choose_refill``: spans or grown tokens, sink rule). With probability
+   ``force_evidence`` the spans holding the evidence are taken first (teacher forcing), the rest by score;
 3. the selected spans' raw keys/values are placed before their L1 entries by ``refill_layout`` (the
    function inference assembles with) and rotated at ``0..P-1``;
 4. the open chunk (raw tail + question + answer, interleaved with L1 tokens as decoding does) runs
