@@ -209,9 +209,9 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     assert rc == 0
     table = json.loads((export / "calibration.json").read_text())
     best = table["rows"][0]
-    # l1: layer x heads x nb; l2/bounds: x sinks (0, 2, 2+keep); l2 without neighbours: grown from 1, 2, 3 seeds too
-    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2 + 2 * 2 * 3 * 3
-    assert {r["grow"] for r in table["rows"] if r["scorer"]["kind"] == "l2"} == {0, 1, 2, 3}
+    # l1: layer x heads x nb; l2/bounds: x sinks (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too
+    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2 + 2 * 2 * 3 * 4
+    assert {r["grow"] for r in table["rows"] if r["scorer"]["kind"] == "l2"} == {0, 1, 2, 3, 4}
     assert all(best["covered"] >= r["covered"] for r in table["rows"]) and best["n"] == 4
     stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
     assert stored["scorer"] == best["scorer"] and (stored["neighbors"], stored["grow"]) == (best["neighbors"], best["grow"])
