@@ -209,12 +209,15 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     assert rc == 0
     table = json.loads((export / "calibration.json").read_text())
     best = table["rows"][0]
-    # l1: layer x heads x nb; l2/bounds: x sinks (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too
-    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2 + 2 * 2 * 3 * 4
+    # l1: layer x heads x nb; l2/bounds: x sinks (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too,
+    # by attention or centred
+    assert len(table["rows"]) == 2 * 2 * 2 + 2 * 2 * 2 * 3 * 2 + 2 * 2 * 3 * 4 * 2
     assert {r["grow"] for r in table["rows"] if r["scorer"]["kind"] == "l2"} == {0, 1, 2, 3, 4}
+    assert {r["grow_shape"] for r in table["rows"] if r["grow"]} == {"attention", "centered"}
     assert all(best["covered"] >= r["covered"] for r in table["rows"]) and best["n"] == 4
     stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
-    assert stored["scorer"] == best["scorer"] and (stored["neighbors"], stored["grow"]) == (best["neighbors"], best["grow"])
+    assert stored["scorer"] == best["scorer"] and (stored["neighbors"], stored["grow"], stored["grow_shape"]) == \
+        (best["neighbors"], best["grow"], best["grow_shape"])
     assert "`" + best["setting"] + "`" in (export / "calibration.md").read_text()
 
     from acre_train.modeling.scorers import ScorerSettings
@@ -239,7 +242,7 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
                  "acre,acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1", "--out", str(out),
                  "--max-new-tokens", "2", "--no-progress"]) == 0
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert {r["acre_scorer"] for r in rows} == {chosen + selection_suffix(best["neighbors"], best["grow"]),
+    assert {r["acre_scorer"] for r in rows} == {chosen + selection_suffix(best["neighbors"], best["grow"], best["grow_shape"]),
                                                 "l2:layers=1,heads=max,sinks=2 +neighbors"}
     summary = json.loads((out / "summary.json").read_text())["overall"]
     for label in ("acre", "acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1"):

@@ -197,9 +197,11 @@ def test_scorer_settings_spellings_and_errors():
 # ------------------------------------------------------------------------------ grown refills
 
 def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, width: int, seeds: int, heads: str,
-                    taken: set[int] | None = None) -> set[int]:
+                    taken: set[int] | None = None, shape: str = "attention") -> set[int]:
     """Written from grow_tokens' docstring: seeds best first, each ``width`` clear of what is taken, then
-    the untaken token next to a taken one with the most mass, one at a time (ties: the earlier token)."""
+    the untaken token next to a taken one with the most mass, one at a time (ties: the earlier token).
+    ``centered``: each seed instead takes the free budget's even share, centred on it, kept inside the
+    context, and nothing grows."""
     def score(a: int, b: int) -> float:
         per_layer = []
         for table in mass:
@@ -209,14 +211,20 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
         return sum(per_layer) / len(per_layer)
 
     taken = set(taken or ())
+    share = max(width, (budget - len(taken)) // seeds) if shape == "centered" else width
     placed = 0
     for s in sorted(range(num_tokens - width + 1), key=lambda s: (-score(s, s + width), s)):
         if placed >= seeds or len(taken) + width > budget:
             break
         if any(t in taken for t in range(max(0, s - width), s + 2 * width)):
             continue
-        taken |= set(range(s, s + width))
+        start = s - (share - width) // 2  # centred on the seed window, then slid back inside the context
+        start = max(0, min(start, num_tokens - share))
+        region = [t for t in range(start, start + share) if t not in taken][: budget - len(taken)]
+        taken |= set(region)
         placed += 1
+    if shape == "centered":
+        return taken
     while len(taken) < budget:
         free = [t for t in range(num_tokens) if t not in taken]
         frontier = [t for t in free if t - 1 in taken or t + 1 in taken] or free
@@ -226,30 +234,47 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
     return taken
 
 
+@pytest.mark.parametrize("shape", ["attention", "centered"])
 @pytest.mark.parametrize("seeds,heads,forced", [(1, "max", ()), (2, "mean", ()), (3, "max", (5, 6, 7)), (2, "max", tuple(range(40)))])
-def test_grown_refill_equals_its_reference(seeds, heads, forced):
+def test_grown_refill_equals_its_reference(seeds, heads, forced, shape):
     gen = torch.Generator().manual_seed(seeds)
     mass = [torch.softmax(torch.randn(4, 3, 60, generator=gen) * 3, -1) for _ in range(2)]
     taken = torch.zeros(56, dtype=torch.bool)
     taken[list(forced)] = True
-    got = grow_tokens(mass, num_tokens=56, budget=24, width=4, seeds=seeds, heads=heads, taken=taken if forced else None)
-    want = _grow_reference(mass, 56, 24, 4, seeds, heads, set(forced))
+    got = grow_tokens(mass, num_tokens=56, budget=24, width=4, seeds=seeds, heads=heads, taken=taken if forced else None,
+                      shape=shape)
+    want = _grow_reference(mass, 56, 24, 4, seeds, heads, set(forced), shape)
     assert set(torch.nonzero(got).flatten().tolist()) == want
-    assert int(got.sum()) == max(24, len(forced))
+    if shape == "attention" or forced == tuple(range(40)):
+        assert int(got.sum()) == max(24, len(forced))
+    else:  # regions of 24 // seeds tokens, one per seed (none overlap here)
+        assert int(got.sum()) == len(forced) + seeds * ((24 - len(forced)) // seeds)
 
 
-def test_the_engine_grows_the_reference_tokens_and_reports_them():
+def test_a_centered_region_lies_around_its_seed_and_inside_the_context():
+    mass = [torch.zeros(1, 1, 40)]
+    mass[0][0, 0, 20:22] = 1.0  # the best 2-token window is 20..21; a 10-token share puts 4 on each side
+    got = grow_tokens(mass, num_tokens=40, budget=10, width=2, seeds=1, shape="centered")
+    assert torch.nonzero(got).flatten().tolist() == list(range(16, 26))
+    mass[0].zero_()
+    mass[0][0, 0, 38:40] = 1.0  # at the end: slid back to stay inside
+    got = grow_tokens(mass, num_tokens=40, budget=10, width=2, seeds=1, shape="centered")
+    assert torch.nonzero(got).flatten().tolist() == list(range(30, 40))
+
+
+@pytest.mark.parametrize("shape", ["attention", "centered"])
+def test_the_engine_grows_the_reference_tokens_and_reports_them(shape):
     model = _model("qwen2")
     scorer = ScorerSettings.parse("l2:layers=0+1,heads=max,sinks=1")
     # W = 18 with m = 10 L1 entries: k = 2 spans of 4 -> 8 tokens grown from one seed.
     engine = AcreEngine(model, cache_settings=SETTINGS,
-                        refill=RefillSettings(working_window=18, scorer=scorer, grow=1, max_new_tokens=2))
+                        refill=RefillSettings(working_window=18, scorer=scorer, grow=1, grow_shape=shape, max_new_tokens=2))
     ctx, q = _ids(42, 6), _ids(6, 7)
     cache = engine.build(ctx)
     answer = engine.answer(cache, q)
     mass: list = []
     _reference(model, ctx, q, scorer, mass)
-    want = _grow_reference(mass, int(cache.span_bounds[-1]), 8, 4, 1, "max")
+    want = _grow_reference(mass, int(cache.span_bounds[-1]), 8, 4, 1, "max", shape=shape)
     assert answer.k == 2 and set(torch.nonzero(answer.refilled).flatten().tolist()) == want
     again = engine.answer(cache, q, selected=answer.refilled)
     assert torch.equal(again.first_logits, answer.first_logits)
@@ -257,7 +282,8 @@ def test_the_engine_grows_the_reference_tokens_and_reports_them():
 
 @pytest.mark.parametrize("kw,message", [({"scorer": "l1:layers=-1", "grow": 2}, "l2 scorer"),
                                         ({"scorer": "l2:layers=1", "grow": 1, "neighbors": True}, "not both"),
-                                        ({"scorer": "l2:layers=1", "grow": -1}, ">= 0")])
+                                        ({"scorer": "l2:layers=1", "grow": -1}, ">= 0"),
+                                        ({"scorer": "l2:layers=1", "grow": 2, "grow_shape": "round"}, "grow_shape")])
 def test_a_selection_that_cannot_be_made_is_refused_in_one_line(kw, message):
     with pytest.raises(ValueError, match=message):
         RefillSettings(**kw)

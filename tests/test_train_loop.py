@@ -454,7 +454,8 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
     common = [f"model.init_from={stage1}", f"model.source={base}", "model.tiny_config={}", "train.max_steps=4",
               "checkpoint.keep_last=null"]
     sim = ["train.refill_sim.enabled=true", "train.refill_sim.force_evidence=0.5", "train.refill_sim.max_refill=8",
-           "train.refill_sim.interval=4", "train.refill_sim.scorer=l2:layers=0,heads=max", "train.refill_sim.grow=2"]
+           "train.refill_sim.interval=4", "train.refill_sim.scorer=l2:layers=0,heads=max", "train.refill_sim.grow=2",
+           "train.refill_sim.grow_shape=centered"]
     _, plain = run(recipe(workdir, "rs-plain", *common, stage=2))
     _, full = run(recipe(workdir, "rs-full", *common, *sim, stage=2))
     assert all(np.isfinite(full.losses)) and full.losses != plain.losses
@@ -467,11 +468,12 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
 
     assert cli_main(["export", str(workdir / "rs-full"), str(workdir / "rs-export"), "--adapter-only"]) == 0
     stored = json.loads((workdir / "rs-export" / "config.json").read_text())["acre"]["inference"]
-    assert (stored["interval"], stored["max_refill"], stored["neighbors"], stored["grow"]) == (4, 8, False, 2)
+    assert (stored["interval"], stored["max_refill"], stored["neighbors"], stored["grow"], stored["grow_shape"]) == \
+        (4, 8, False, 2, "centered")
     assert ScorerSettings.parse(stored["scorer"]) == ScorerSettings.parse("l2:layers=0,heads=max")
     assert cli_main(["export", str(workdir / "rs-plain"), str(workdir / "plain-export"), "--adapter-only"]) == 0
     plain_stored = json.loads((workdir / "plain-export" / "config.json").read_text())["acre"]["inference"]
-    assert not {"scorer", "neighbors", "grow"} & set(plain_stored)
+    assert not {"scorer", "neighbors", "grow", "grow_shape"} & set(plain_stored)
 
 
 def test_distillation_in_the_trainer_stage1_and_refilled_stage2(workdir):

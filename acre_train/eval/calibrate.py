@@ -3,7 +3,8 @@
 For every dev question the export's engine builds the context's bi-layer cache once (shared by the
 questions asked of it) and runs one scoring pass that captures the question's queries at every
 layer of the sweep. Every setting of the sweep (scorer × layer × head pooling × sink tokens × kept
-sinks × selection: whole spans, with or without neighbours, or tokens grown from 1-4 seeds) then ranks
+sinks × selection: whole spans, with or without neighbours, or tokens grown from 1-4 seeds, by attention or
+centred on them) then ranks
 and selects from those queries, at the export's geometry and budget ``k``, and is scored by what it
 brought back:
 
@@ -12,7 +13,7 @@ brought back:
 * ``rank``: median rank of the best-scored span holding evidence.
 
 The best setting (most ``covered``, then ``coverage``, then the lower median rank, then the simpler
-setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors`` / ``grow``),
+setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors`` / ``grow`` / ``grow_shape``),
 which ``chat``, ``generate`` and ``eval`` then use; the whole table goes beside it
 (``calibration.json``, ``calibration.md``). Inference only: nothing is trained. Calibrate on a dev
 split (training articles, needles at other seeds), never on the questions you report.
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from ..infer.placement import Placement, add_placement_arguments
-from ..modeling.scorers import ScorerSettings
+from ..modeling.scorers import GROW_SHAPES, ScorerSettings
 from ..infer.settings import selection_suffix
 
 
@@ -42,24 +43,25 @@ class Candidate:
     scorer: ScorerSettings
     neighbors: bool
     grow: int = 0
+    grow_shape: str = "attention"
 
     def describe(self) -> str:
-        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow)
+        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow, self.grow_shape)
 
     def simplicity(self) -> tuple:
         """Lower = simpler (the tie-break): fewer options switched on."""
         s = self.scorer
         return (int(self.neighbors) + int(self.grow > 0) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean")
-                + int(s.learned), len(s.layers), self.grow)
+                + int(s.learned) + int(self.grow_shape != "attention"), len(s.layers), self.grow)
 
 
 def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), layers: Sequence[int] | None = None,
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
           neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = (),
-          grow: Sequence[int] = ()) -> list[Candidate]:
+          grow: Sequence[int] = (), grow_shapes: Sequence[str] = ("attention",)) -> list[Candidate]:
     """The settings to compare. Default layers: every third layer and the last. ``learned_layers``:
     the layers of the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
-    token-granular refill, swept beside the span rules for every ``l2`` setting.
+    token-granular refill, swept beside the span rules for every ``l2`` setting, in each of ``grow_shapes``.
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
@@ -74,7 +76,7 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), lay
             scorer = ScorerSettings(kind, (int(layer),), pool, int(sink), keep, learned)
             out.append(Candidate(scorer, bool(near)))
             if kind == "l2" and not near:
-                out.extend(Candidate(scorer, False, int(g)) for g in grow if g > 0)
+                out.extend(Candidate(scorer, False, int(g), shape) for g in grow if g > 0 for shape in grow_shapes)
     return out
 
 
@@ -112,7 +114,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
             queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=wanted)
             for tally, cand in zip(tallies, candidates):
                 scores, tokens = choose_refill(model, cache, queries, cand.scorer, k, neighbors=cand.neighbors,
-                                               grow=cand.grow)
+                                               grow=cand.grow, grow_shape=cand.grow_shape)
                 tally.append(evidence_visibility(evidence, cache, tokens, scores))
     bar.close()
     if not any(tallies):
@@ -123,7 +125,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
     for cand, tally in zip(candidates, tallies):
         ranks = sorted(t["refill_rank"] for t in tally if t["refill_rank"] is not None)
         rows.append({"setting": cand.describe(), "scorer": cand.scorer.as_dict(), "neighbors": cand.neighbors,
-                     "grow": cand.grow,
+                     "grow": cand.grow, "grow_shape": cand.grow_shape,
                      "n": len(tally), "skipped": skipped, "k": k_median, "num_l1": m_median,
                      "covered": 100.0 * sum(t["refill_coverage"] >= 1.0 for t in tally) / len(tally),
                      "coverage": 100.0 * sum(t["refill_coverage"] for t in tally) / len(tally),
@@ -158,6 +160,7 @@ def write_choice(export: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
     config = json.loads(config_path.read_text(encoding="utf-8"))
     inference = config.setdefault("acre", {}).setdefault("inference", {})
     inference["scorer"], inference["neighbors"], inference["grow"] = best["scorer"], best["neighbors"], best.get("grow", 0)
+    inference["grow_shape"] = best.get("grow_shape", "attention")
     write_text_atomic(export / "calibration.json", json.dumps({**meta, "chosen": best["setting"], "rows": rows}, indent=2) + "\n")
     write_text_atomic(export / "calibration.md", f"# Refill scorer calibration\n\n{meta['data']}: {best['n']} questions, "
                       f"k = {meta['k']} of {meta['num_l1']} spans (medians); chosen: `{best['setting']}`\n\n" + markdown(rows))
@@ -186,11 +189,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
     parser.add_argument("--grow", default="0,1,2,3,4",
                         help="token-granular refill (l2 scorers): seed counts to sweep, 0 = whole spans (default: 0,1,2,3,4)")
+    parser.add_argument("--grow-shapes", default="attention,centered",
+                        help="how grown regions take their tokens, swept for every seed count (default: attention,centered)")
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     add_placement_arguments(parser)
     parser.add_argument("--no-progress", action="store_true")
+
+
+def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in allowed]
+    if unknown:
+        raise ValueError(f"--{what}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -220,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = sweep(n_layers, kinds=kinds, layers=_ints(args.layers, "layers") if args.layers else None,
                        heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")],
                        learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else (),
-                       grow=_ints(args.grow, "grow"))
+                       grow=_ints(args.grow, "grow"), grow_shapes=_names(args.grow_shapes, GROW_SHAPES, "grow-shapes"))
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
     examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,

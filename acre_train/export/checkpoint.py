@@ -157,6 +157,7 @@ def trained_refill(recipe: dict[str, Any]) -> dict[str, Any]:
     out["scorer"] = ScorerSettings.parse(sim.get("scorer") or "l1:layers=-1").describe()
     out["neighbors"] = bool(sim.get("neighbors"))
     out["grow"] = int(sim.get("grow") or 0)
+    out["grow_shape"] = str(sim.get("grow_shape") or "attention")
     return out
 
 

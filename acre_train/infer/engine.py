@@ -178,7 +178,7 @@ class AcreEngine:
             layers = scorer.resolved_layers(self.model.config.num_hidden_layers)
             queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
             scores, refill_tokens = choose_refill(self.model, cache, queries, scorer, k, neighbors=settings.neighbors,
-                                           grow=settings.grow)
+                                           grow=settings.grow, grow_shape=settings.grow_shape)
         else:
             refill_tokens = span_tokens(cache.span_bounds, torch.arange(k))  # all or nothing: no need to score
         timings["score_s"] = time.perf_counter() - tic

@@ -44,6 +44,8 @@ class RefillSettings:
     ``grow``: refill tokens, not whole spans, within the same ``k * l`` tokens: the ``grow`` best
     windows of ``l`` tokens seed the refill and grow toward their most-attended neighbouring tokens
     (``modeling/scorers.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
+    ``grow_shape``: ``attention`` (grow toward the most-attended neighbouring token) or ``centered``
+    (each seed brings ``k * l / grow`` tokens centred on it).
     """
 
     working_window: int = DEFAULT_WORKING_WINDOW
@@ -51,6 +53,7 @@ class RefillSettings:
     scorer: ScorerSettings = field(default_factory=ScorerSettings)
     neighbors: bool = False
     grow: int = 0
+    grow_shape: str = "attention"
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -62,25 +65,28 @@ class RefillSettings:
         if self.working_window < 1 or self.max_refill < 0:
             raise ValueError("working_window must be >= 1 and max_refill >= 0")
         object.__setattr__(self, "scorer", ScorerSettings.parse(self.scorer))
-        check_selection(self.scorer, self.neighbors, self.grow)
+        check_selection(self.scorer, self.neighbors, self.grow, self.grow_shape)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
 
     def describe_selection(self) -> str:
         """The scorer and the selection rule, as tables and logs print them: ``l2:layers=3 +grow=2``."""
-        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow)
+        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow, self.grow_shape)
 
     def replace(self, **changes: Any) -> "RefillSettings":
         return RefillSettings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
 
 # What an export's ``acre.inference`` stores about the refill besides the geometry (``calibrate`` writes them).
-SELECTION_KEYS = ("scorer", "neighbors", "grow")
+SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape")
 
 
-def selection_suffix(neighbors: bool, grow: int) -> str:
-    """How tables and logs name the selection rule after the scorer: ``" +neighbors"``, ``" +grow=2"``."""
-    return " +neighbors" if neighbors else f" +grow={grow}" if grow else ""
+def selection_suffix(neighbors: bool, grow: int, grow_shape: str = "attention") -> str:
+    """How tables and logs name the selection rule after the scorer: ``" +neighbors"``, ``" +grow=2"``,
+    ``" +grow=3,centered"``."""
+    if neighbors:
+        return " +neighbors"
+    return f" +grow={grow}" + ("" if grow_shape == "attention" else f",{grow_shape}") if grow else ""
 
 
 def pick_selection(stored: Mapping[str, Any], neighbors: bool | None, grow: int | None) -> tuple[bool, int]:
@@ -97,8 +103,12 @@ def pick_selection(stored: Mapping[str, Any], neighbors: bool | None, grow: int 
     return bool(neighbors), int(grow)
 
 
-def check_selection(scorer: ScorerSettings, neighbors: bool, grow: int) -> None:
+def check_selection(scorer: ScorerSettings, neighbors: bool, grow: int, grow_shape: str = "attention") -> None:
     """One line for a selection that cannot be made (raised where the setting is read)."""
+    from ..modeling.scorers import GROW_SHAPES
+
+    if grow_shape not in GROW_SHAPES:
+        raise ValueError(f"grow_shape must be one of {', '.join(GROW_SHAPES)}, got {grow_shape!r}")
     if grow < 0:
         raise ValueError(f"grow must be >= 0 (0: whole spans), got {grow}")
     if grow and neighbors:
@@ -114,8 +124,9 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
 
     ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
     carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``), ``scorer`` (a spec
-    string or mapping), ``scoring_layers`` (replaces the scorer's layers), ``neighbors`` and ``grow``. The
-    export's ``inference.scorer`` / ``neighbors`` / ``grow`` (written by ``acre-train calibrate``) come first.
+    string or mapping), ``scoring_layers`` (replaces the scorer's layers), ``neighbors``, ``grow`` and ``grow_shape``. The
+    export's ``inference.scorer`` / ``neighbors`` / ``grow`` / ``grow_shape`` (written by ``acre-train
+    calibrate``) come first.
 
     >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
     >>> cache.first_chunk, cache.interval, refill.max_refill
@@ -135,5 +146,6 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     if overrides.get("scoring_layers") is not None:
         scorer = replace_(scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
     neighbors, grow = pick_selection(stored, overrides.get("neighbors"), overrides.get("grow"))
+    grow_shape = overrides.get("grow_shape") or stored.get("grow_shape") or "attention"
     return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill,
-                                 scorer=scorer, neighbors=neighbors, grow=grow, **extra)
+                                 scorer=scorer, neighbors=neighbors, grow=grow, grow_shape=grow_shape, **extra)

@@ -336,8 +336,11 @@ def select_spans(scores: torch.Tensor, k: int, *, neighbors: bool = False,
     return torch.nonzero(taken).flatten()
 
 
+GROW_SHAPES = ("attention", "centered")
+
+
 def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, width: int, seeds: int,
-                heads: str = "mean", taken: torch.Tensor | None = None) -> torch.Tensor:
+                heads: str = "mean", taken: torch.Tensor | None = None, shape: str = "attention") -> torch.Tensor:
     """Token-granular refill: ``[num_tokens]`` bool, at most ``budget`` tokens taken.
 
     Evidence rarely sits on span boundaries: a needle cut in two comes back by half, a sentence longer
@@ -349,8 +352,17 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
 
     The greedy growth follows the attention: a seed grows into the sentence around it while it
     is attended, and stops growing where another region's edge is attended more.
+
+    ``shape="centered"``: no growth by attention; each seed's region is the free budget split evenly
+    (``budget // seeds`` tokens) and centred on the seed window. The question attends to the words it
+    shares with the evidence (a needle's key) more than to what it asks for (the value after it), so
+    attention-led growth can stop short of the answer or wander into a look-alike neighbour; a fixed
+    window around the match does neither.
     """
     import heapq
+
+    if shape not in GROW_SHAPES:
+        raise ValueError(f"grow shape must be one of {GROW_SHAPES}, got {shape!r}")
 
     taken = torch.zeros(num_tokens, dtype=torch.bool) if taken is None else taken[:num_tokens].clone().cpu()
     width = max(1, min(width, num_tokens))
@@ -360,13 +372,20 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
     window = segment_scores(mass, grid[: num_tokens - width + 1], grid[width:], heads).cpu()
     token = segment_scores(mass, grid[:-1], grid[1:], heads).cpu().tolist()
     used, placed = int(taken.sum()), 0
+    size = max(width, (budget - used) // max(1, seeds)) if shape == "centered" else width
     for s in torch.argsort(window, descending=True, stable=True).tolist():
         if placed >= seeds or used + width > budget:
             break
         if taken[max(0, s - width) : s + 2 * width].any():
             continue
-        taken[s : s + width] = True
-        used, placed = used + width, placed + 1
+        end = min(num_tokens, max(s, 0) - (size - width) // 2 + size)
+        start = max(0, end - size)
+        end = start + min(size, budget - used, num_tokens - start)
+        used += int((~taken[start:end]).sum())
+        taken[start:end] = True
+        placed += 1
+    if shape == "centered":
+        return taken
     frontier: list[tuple[float, int]] = []
 
     def push(t: int) -> None:
@@ -478,11 +497,12 @@ def question_mass(model, cache, queries: QuestionQueries, scorer: ScorerSettings
 
 
 def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings, k: int, *, neighbors: bool = False,
-                  grow: int = 0, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  grow: int = 0, grow_shape: str = "attention", forced: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scores [m], refilled [N_closed] bool)``: rank the spans of ``cache`` and pick what to refill.
 
     The budget is ``k`` spans of ``l`` tokens. ``grow = 0``: whole spans (:func:`select_spans`, with
-    ``neighbors``); ``grow = N``: tokens (:func:`grow_tokens` from ``N`` seeds; ``l2`` scorers only).
+    ``neighbors``); ``grow = N``: tokens (:func:`grow_tokens` from ``N`` seeds, ``grow_shape``; ``l2`` scorers only).
     ``forced [m]`` bool: spans refilled first (with ``keep_sinks``, the sink spans are added to them).
     """
     sinks = forced_spans(cache, scorer)
@@ -499,7 +519,7 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     taken = span_tokens(bounds, torch.nonzero(forced).flatten()[:k]) if forced is not None else None
     interval = int(torch.diff(bounds).max()) if len(bounds) > 1 else 1
     return scores, grow_tokens(mass, num_tokens=int(bounds[-1]), budget=k * interval, width=interval, seeds=grow,
-                               heads=scorer.heads, taken=taken)
+                               heads=scorer.heads, taken=taken, shape=grow_shape)
 
 
 def _query_map(model, scorer: ScorerSettings, layers: list[int]):

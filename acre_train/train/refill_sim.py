@@ -54,6 +54,7 @@ class SimSettings:
     scorer: ScorerSettings
     neighbors: bool = False
     grow: int = 0
+    grow_shape: str = "attention"
     k: int | None = None  # None: inference's k from W and eta
     force_evidence: float = 0.0
 
@@ -62,7 +63,7 @@ class SimSettings:
 
     def refill(self) -> RefillSettings:
         return RefillSettings(working_window=self.working_window, max_refill=self.max_refill, scorer=self.scorer,
-                              neighbors=self.neighbors, grow=self.grow)
+                              neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape)
 
 
 # ------------------------------------------------------------------------------- one sample, numpy
@@ -235,7 +236,7 @@ def choose(engine, cache: BiLayerCache, q_ids: list[int], settings: SimSettings,
         queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids),
                                           layers=scorer.resolved_layers(engine.model.config.num_hidden_layers))
         _, tokens = choose_refill(engine.model, cache, queries, scorer, k, neighbors=settings.neighbors,
-                                  grow=settings.grow, forced=forced)
+                                  grow=settings.grow, grow_shape=settings.grow_shape, forced=forced)
     return tokens
 
 

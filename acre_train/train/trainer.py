@@ -170,7 +170,8 @@ class Trainer(RunFolder):
         pick = lambda key: getattr(sim, key) if getattr(sim, key) is not None else defaults[key]  # noqa: E731
         return SimSettings(first_chunk=defaults["first_chunk"], stride=defaults["stride"], interval=pick("interval"),
                            working_window=pick("working_window"), max_refill=pick("max_refill"),
-                           scorer=ScorerSettings.parse(sim.scorer), neighbors=sim.neighbors, grow=sim.grow, k=sim.k,
+                           scorer=ScorerSettings.parse(sim.scorer), neighbors=sim.neighbors, grow=sim.grow,
+                           grow_shape=sim.grow_shape, k=sim.k,
                            force_evidence=sim.force_evidence)
 
     def batches(self, epoch: int) -> list[np.ndarray]:

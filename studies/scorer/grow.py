@@ -3,13 +3,16 @@
 Not part of the installed package. Run from a checkout, after ``studies/scorer/run.py`` made its root::
 
     python studies/scorer/grow.py --root checkpoints/scorer-study --cells 4096/niah_multikey,2048/squad
+    python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 4096/niah_multikey
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
 stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
 (the same dev questions as every other calibration: needles at seed 1000, SQuAD training articles;
 ``--grow`` swept beside whole spans and neighbours), evaluates the 120 held-out questions (seeds 777-779)
 with the chosen setting, and pairs every question with that row's committed cell (the same export and
-questions, whole-span selection). ``--full`` adds full attention on the seeds whose committed cell
+questions, whole-span selection). ``--grow-shapes`` is swept by calibrate (``attention``: regions grow
+toward the most-attended token; ``centered``: an even share of the budget centred on each seed); ``--name``
+keeps each sweep's export, evaluation and docs apart (docs/real-base/scorer/NAME/). ``--full`` adds full attention on the seeds whose committed cell
 lacks it, so the answer-when-refilled can be set against full attention on the same questions.
 """
 
@@ -38,10 +41,10 @@ CELLS = {
 }
 
 
-def calibrated_export(root: Path, cell: str) -> Path:
+def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "attention") -> Path:
     length, task = cell.split("/")
     start, _, _, layer, count = CELLS[cell]
-    export = root / "exports" / f"grow-{length}-{task}"
+    export = root / "exports" / f"{name}-{length}-{task}"
     if (export / "calibration.json").is_file():
         return export
     tmp = export.with_name(export.name + ".partial")
@@ -49,7 +52,7 @@ def calibrated_export(root: Path, cell: str) -> Path:
     shutil.copytree(root / "exports" / start, tmp)
     cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(root / "squad-train.json"),
            "--context-tokens", length, "--num-examples", str(count), "--seed", str(DEV_SEED), "--scorers", "l2",
-           "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--no-progress"]
+           "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--grow-shapes", shapes, "--no-progress"]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
     shutil.rmtree(export, ignore_errors=True)
@@ -63,21 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
     parser.add_argument("--full", action="store_true", help="add full attention (4K multikey: its cell has none)")
+    parser.add_argument("--name", default="grow", help="names this sweep's export, evaluation and docs folder")
+    parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     for cell in args.cells.split(","):
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
         start, committed, method, _, _ = CELLS[cell]
-        export = calibrated_export(root, cell)
+        export = calibrated_export(root, cell, args.name, args.grow_shapes)
         chosen = json.loads((export / "calibration.json").read_text())["rows"][0]
         if not chosen.get("grow"):
             log(f"cell {cell}: calibration kept whole spans ({chosen['setting']}); {committed} measures that setting")
             continue
-        out = root / "eval" / "grow" / str(length) / task
+        out = root / "eval" / args.name / str(length) / task
         rows = "acre,full" if args.full else "acre"
         study.evaluate(export, length, task, root / "squad-heldout.json", out, seeds=seeds, rows=rows, adapter=start)
-        comparison = study.publish(out, DOCS / "scorer" / "grow" / str(length) / task, committed, method, "acre")
+        comparison = study.publish(out, DOCS / "scorer" / args.name / str(length) / task, committed, method, "acre")
         log(f"cell {cell}: grown - whole spans {comparison['other_minus_base']}")
     return 0
 

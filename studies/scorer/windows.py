@@ -141,14 +141,15 @@ def windows_rule(row, width: int, stride: int, extend: bool) -> np.ndarray:
     return seen
 
 
-def grow_rule(row, seeds: int) -> np.ndarray:
-    """The product's token-granular refill (``refill.grow``: ``modeling/scorers.py:grow_tokens``)."""
+def grow_rule(row, seeds: int, shape: str = "attention") -> np.ndarray:
+    """The product's token-granular refill (``refill.grow``, ``refill.grow_shape``: ``modeling/scorers.py:grow_tokens``)."""
     from acre_train.modeling.scorers import grow_tokens
 
     _, n_closed, budget = _budget(row)
     mass = [torch.from_numpy(row["mass"].astype(np.float32))]
     width = int(np.diff(row["bounds"]).max())
-    taken = grow_tokens(mass, num_tokens=n_closed, budget=budget, width=width, seeds=seeds, heads="max").numpy()
+    taken = grow_tokens(mass, num_tokens=n_closed, budget=budget, width=width, seeds=seeds, heads="max",
+                        shape=shape).numpy()
     return np.concatenate([taken, np.zeros(row["mass"].shape[-1] - n_closed, bool)])
 
 
@@ -174,6 +175,7 @@ def compare(path: Path) -> None:
                     lambda r, w=w, stride=stride, ext=ext: windows_rule(r, w, stride, ext)
     for seeds in (1, 2, 3, 4, 6):
         rules[f"grow={seeds}"] = lambda r, seeds=seeds: grow_rule(r, seeds)
+        rules[f"grow={seeds},centered"] = lambda r, seeds=seeds: grow_rule(r, seeds, "centered")
     results = []
     for name, rule in rules.items():
         judged = [judge(r, rule(r)) for r in rows]

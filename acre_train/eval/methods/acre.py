@@ -12,7 +12,8 @@ inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``
 ``close_tail=1`` runs the context's raw tail once at build time (it then attends to the L1 memory,
 not to the refilled spans) so that a question runs only its own tokens.
 
-The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``, ``grow``;
+The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``, ``grow``,
+``grow_shape``;
 modeling/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
 without ``scorer`` the other options change the stored one.
 
@@ -54,6 +55,7 @@ class Acre(EvalMethod):
     keep_sinks: int = -1
     neighbors: int = -1
     grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
+    grow_shape: str = ""  # attention | centered ("": the export's)
     close_tail: int = 0  # 1: the raw tail runs once at build time (AcreEngine(close_tail=True))
 
     def check(self) -> None:
@@ -63,6 +65,10 @@ class Acre(EvalMethod):
         if self.max_refill < -1:
             raise ValueError(f"max_refill must be >= 0 (-1: the export's default), got {self.max_refill}")
         self.scorer_settings(None)  # a bad scorer option fails when the row is parsed
+        from ...modeling.scorers import GROW_SHAPES
+
+        if self.grow_shape and self.grow_shape not in GROW_SHAPES:
+            raise ValueError(f"grow_shape must be one of {', '.join(GROW_SHAPES)}, got {self.grow_shape!r}")
 
     def scorer_settings(self, stored):
         """The row's scorer: ``scorer=`` starts afresh, other options change ``stored`` (the export's)."""
@@ -107,7 +113,8 @@ class Acre(EvalMethod):
         neighbors, grow = pick_selection({"neighbors": refill.neighbors, "grow": refill.grow},
                                          bool(self.neighbors) if self.neighbors >= 0 else None,
                                          self.grow if self.grow >= 0 else None)
-        refill = refill.replace(scorer=self.scorer_settings(refill.scorer), neighbors=neighbors, grow=grow)
+        refill = refill.replace(scorer=self.scorer_settings(refill.scorer), neighbors=neighbors, grow=grow,
+                                grow_shape=self.grow_shape or refill.grow_shape)
         engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=bool(self.close_tail))
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
