@@ -9,12 +9,12 @@ committed in studies/adapters and the plain row's cells in docs/real-base/scorer
         --cells 2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long
 
 Each ``LENGTH/TASK:ROW+ROW`` evaluates those rows (``stage0``: untrained L1, copies of the base's
-projections; ``stage1-long``: stage 1, 120 steps; ``stage2-sim-long``: stage 1+2 in the refilled
-layout, 120 + 120 steps) seed by seed (a finished seed is kept, so a session that ends mid-cell resumes)
-and writes, per row, the cell and its paired comparison with the plain stage 1+2 row to
-docs/real-base/training/ladder/LENGTH/TASK/ROW/. Where the plain cell has no full-attention row on
-every question (4K multikey ran it on seed 777 only), ``--full`` adds it to the row's own cell, so the
-answer-when-refilled can be set against full attention on the same questions.
+projections; ``stage1-long``: stage 1, 120 steps; ``stage2-sim-long``: stage 1+2 in the refilled layout,
+120 + 120 steps; ``stage1-distill``: stage 1 distilled, 60 steps) seed by seed (a finished seed is kept,
+so a session that ends mid-cell resumes) and writes, per row, the cell and its paired comparison with
+the plain stage 1+2 row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. Where the plain cell has no
+full-attention row on every question (4K multikey ran it on seed 777 only), ``--full`` adds it to the
+row's own cell, so the answer-when-refilled can be set against full attention on the same questions.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ import run as scorer_study  # noqa: E402
 from run import EVAL_SEEDS, REPO, log  # noqa: E402
 from sim import STAGE1, plain_cell, plain_setting, publish_cell  # noqa: E402
 
-ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/stage2-sim-lora-step120+120.safetensors"}
+ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/stage2-sim-lora-step120+120.safetensors",
+            # stage 1 distilled from the frozen base, half the CE row's steps (acre-train reproduce real --steps
+            # stage1-distill, then --steps export; the export's adapter file is copied here when it finishes)
+            "stage1-distill": REPO / "studies/adapters/stage1-distill-lora-step60.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
 DEFAULT_CELLS = "2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long"
 
@@ -41,10 +44,12 @@ def exports(root: Path) -> dict[str, Path]:
     """Adapter-only exports of every ladder row onto the base, at the study's inference geometry."""
     from studies.real.study import RealConfig, RealStudy
 
-    study = RealStudy(root, None, RealConfig(adapters={k: str(v) for k, v in ADAPTERS.items()}), log=log)
-    if not all((study.export_dir(row) / "config.json").is_file() for row in ROWS):
+    kept = {k: str(v) for k, v in ADAPTERS.items() if v.is_file()}
+    study = RealStudy(root, None, RealConfig(adapters=kept), log=log)
+    rows = ("stage0", *kept)
+    if not all((study.export_dir(row) / "config.json").is_file() for row in rows):
         study.step_export()
-    return {row: study.export_dir(row) for row in ROWS}
+    return {row: study.export_dir(row) for row in rows}
 
 
 def parse_cells(spec: str) -> list[tuple[int, str, list[str]]]:
@@ -68,6 +73,7 @@ def committed_rows(length: int, task: str, setting: str) -> list[tuple[str, Path
     cell = f"{length}/{task}"
     rows = [("stage 0 (untrained L1)", DOCS / "training/ladder" / cell / "stage0", setting),
             ("stage 1 (120 steps)", DOCS / "training/ladder" / cell / "stage1-long", setting),
+            ("stage 1 distilled (60 steps)", DOCS / "training/ladder" / cell / "stage1-distill", setting),
             ("stage 1+2 plain (120 + 120)", DOCS / "scorer" / cell, "acre"),
             ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training" / cell, setting),
             ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training/ladder" / cell / "stage2-sim-long", setting)]
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         calibration, plain = plain_cell(root, length, task)
         setting = plain_setting(calibration)
         for row in rows:
+            if row not in exported:
+                raise SystemExit(f"row {row}: its adapter {ADAPTERS[row]} is not here yet (see ADAPTERS)")
             out = root / "eval" / "ladder" / row / str(length) / task
             methods = ("full," if args.full else "") + setting
             scorer_study.evaluate(exported[row], length, task, held, out, seeds, rows=methods, adapter=row)
