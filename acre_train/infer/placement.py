@@ -9,6 +9,9 @@ What ACRE adds: its forward calls the embedding, each decoder layer, the final n
 itself (not the model's own ``forward``), and reads the one-row L1 embedding directly. So the map is
 refined until every one of those modules is an entry of its own (each gets its own hook), and the L1
 embedding row is never offloaded.
+
+Tested on CPU with blocks forced onto disk (``tests/test_placement.py``). A map over several GPUs is
+not tested (no multi-GPU machine here): the bi-layer cache lives on the embedding's device.
 """
 
 from __future__ import annotations
