@@ -3,18 +3,17 @@
 For every dev question the export's engine builds the context's bi-layer cache once (shared by the
 questions asked of it) and runs one scoring pass that captures the question's queries at every
 layer of the sweep. Every setting of the sweep (scorer × layer × head pooling × sink tokens × kept
-sinks × selection: whole spans, with or without neighbours, or tokens grown from 1-4 seeds, by attention or
-centred on them) then ranks
-and selects from those queries, at the export's geometry and budget ``k``, and is scored by what it
-brought back:
+sinks × selection: whole spans, with or without neighbours, or tokens from 1-4 seeds, grown by attention
+or centred on them) then ranks and selects from those queries, at the export's geometry and budget
+``k``, and is scored by what it brought back:
 
 * ``covered``: share of questions whose whole evidence was visible after refilling (the criterion);
 * ``coverage``: share of evidence tokens visible; ``recall``: share of evidence ranges overlapped;
 * ``rank``: median rank of the best-scored span holding evidence.
 
 The best setting (most ``covered``, then ``coverage``, then the lower median rank, then the simpler
-setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors`` / ``grow`` / ``grow_shape``),
-which ``chat``, ``generate`` and ``eval`` then use; the whole table goes beside it
+setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors`` /
+``grow`` / ``grow_shape``), which ``chat``, ``generate`` and ``eval`` then use; the whole table goes beside it
 (``calibration.json``, ``calibration.md``). Inference only: nothing is trained. Calibrate on a dev
 split (training articles, needles at other seeds), never on the questions you report.
 """

@@ -378,7 +378,7 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
             break
         if taken[max(0, s - width) : s + 2 * width].any():
             continue
-        end = min(num_tokens, max(s, 0) - (size - width) // 2 + size)
+        end = min(num_tokens, s - (size - width) // 2 + size)  # centred (attention: size = width, end = s + width)
         start = max(0, end - size)
         end = start + min(size, budget - used, num_tokens - start)
         used += int((~taken[start:end]).sum())
