@@ -370,7 +370,6 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
         return taken
     grid = torch.arange(num_tokens + 1)
     window = segment_scores(mass, grid[: num_tokens - width + 1], grid[width:], heads).cpu()
-    token = segment_scores(mass, grid[:-1], grid[1:], heads).cpu().tolist()
     used, placed = int(taken.sum()), 0
     size = max(width, (budget - used) // max(1, seeds)) if shape == "centered" else width
     for s in torch.argsort(window, descending=True, stable=True).tolist():
@@ -386,6 +385,7 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
         placed += 1
     if shape == "centered":
         return taken
+    token = segment_scores(mass, grid[:-1], grid[1:], heads).cpu().tolist()  # growth only
     frontier: list[tuple[float, int]] = []
 
     def push(t: int) -> None:
