@@ -31,7 +31,8 @@ PLAN_COLUMNS = ("input_ids", "is_l1", "chunk_ids", "positions", "memory_position
 SAMPLE_COLUMNS = ("num_raw_tokens", "intervals", "sample_index")
 
 
-def dataset_from_generator(generate, work: Path, features, problems: Any = None) -> "datasets.Dataset":  # noqa: F821
+def dataset_from_generator(generate, work: Path, features, problems: Any = None,
+                           fingerprint: str | None = None) -> "datasets.Dataset":  # noqa: F821
     """``Dataset.from_generator`` in a private cache dir, re-raising our own :class:`DataError`
     (``datasets`` wraps generator errors in ``DatasetGenerationError``, hiding file and line).
 
@@ -49,7 +50,8 @@ def dataset_from_generator(generate, work: Path, features, problems: Any = None)
             yield item
 
     try:
-        data = datasets.Dataset.from_generator(counted, cache_dir=str(work), features=features)
+        # A known ``fingerprint`` spares datasets from hashing the generator (and its closure) with dill.
+        data = datasets.Dataset.from_generator(counted, cache_dir=str(work), features=features, fingerprint=fingerprint)
     except datasets.exceptions.DatasetGenerationError as exc:
         cause = exc.__cause__
         if isinstance(cause, (DataError, KeyboardInterrupt)):

@@ -1,12 +1,14 @@
 """Stage 1: long plain-text spans with interleaved L1 tokens (``acre-train preprocess stage1``).
 
-Pipeline: read records -> tokenize documents (cached per inputs + tokenizer; ``num_proc``) ->
+Pipeline: read records -> tokenize documents (cached per inputs + tokenizer; in this process for a fast
+tokenizer, which uses every core itself, else in ``num_proc`` workers) ->
 sample spans (sequential, cheap: token offsets only) -> build rows with the interleave plan
 (``num_proc``) -> write atomically with a manifest.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import DataError, InputProblems
-from .output import FORMAT_VERSION, dataset_from_generator, fingerprint
+from .output import FORMAT_VERSION, dataset_from_generator, fingerprint, no_usable_record
 from .prepare import Built, Preparation, input_records, prepare
 from .rows import features, plan_row
 from .settings import Stage1Settings
@@ -59,24 +61,79 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
         problems.examples.extend(saved["examples"])
         return datasets.load_from_disk(str(cache / "data"))
 
-    def generate():
-        yield from iter_documents(settings, problems)
-
-    docs = dataset_from_generator(
-        generate, work / "gen", features=datasets.Features(
-            {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}),
-        problems=problems)
-    docs = docs.map(
-        _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"encode": BatchEncoder(tokenizer)},
-        num_proc=settings.num_proc if settings.num_proc > 1 else None, remove_columns=["text"],
-        cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
-    )
+    if settings.num_proc > 1 and BatchEncoder(tokenizer).rust is None:
+        docs = _tokenize_in_workers(settings, tokenizer, key, problems, work)
+    else:  # (a fast tokenizer already encodes a batch on every core: workers would only add copies)
+        docs = _tokenize_in_process(settings, tokenizer, problems, work / "tokenized.arrow")
     # Several preparations may fill this cache at once: leave their partial folders alone, and keep
     # whichever finished first.
     with atomic_dir(cache, f"the tokenized cache {cache}", clear_stale=False, keep_existing=True) as tmp:
         docs.save_to_disk(str(tmp / "data"))
         (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
     return datasets.load_from_disk(str(cache / "data"))
+
+
+def _tokenize_in_process(settings: Stage1Settings, tokenizer: Any, problems: InputProblems, path: Path,
+                         batch_docs: int = 256):
+    """Read, tokenize and write Arrow in one pass, one process. A fast tokenizer's batched encode
+    already uses every core (Rayon), and skipping the text column's round trip through Arrow and the
+    ``map`` over it is what brings preparation close to the tokenizer's own speed."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    encode = BatchEncoder(tokenizer)
+    with ArrowWriter(path=str(path), features=_tokenized_features()) as writer:
+        batch: list[dict[str, str]] = []
+        for doc in iter_documents(settings, problems):
+            batch.append(doc)
+            if len(batch) == batch_docs:
+                writer.write_table(_tokenized_table(encode([d["text"] for d in batch]), batch))
+                batch = []
+        if batch:
+            writer.write_table(_tokenized_table(encode([d["text"] for d in batch]), batch))
+        written, _ = writer.finalize()
+    if written == 0:
+        raise DataError(no_usable_record(problems))
+    return datasets.Dataset.from_file(str(path))
+
+
+def _tokenized_features():
+    from datasets import Features, List, Value
+
+    return Features({"input_ids": List(Value("int32")), "num_tokens": Value("int64"),
+                     "source": Value("string"), "meta": Value("string")})
+
+
+def _tokenized_table(ids: list[list[int]], docs: list[dict[str, str]]):
+    """One Arrow table of a batch: the ids flattened once into a list column (no per-token Python)."""
+    import pyarrow as pa
+
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(offsets[-1]))
+    return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+                     "num_tokens": pa.array(lengths), "source": pa.array([d["source"] for d in docs], pa.string()),
+                     "meta": pa.array([d["meta"] for d in docs], pa.string())})
+
+
+def _tokenize_in_workers(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems, work: Path):
+    """``num_proc`` > 1: the documents go to Arrow first, then ``datasets.map`` tokenizes them in workers
+    (for tokenizers that do not parallelise themselves)."""
+    import datasets
+
+    def generate():
+        yield from iter_documents(settings, problems)
+
+    docs = dataset_from_generator(
+        generate, work / "gen", features=datasets.Features(
+            {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}),
+        problems=problems, fingerprint=key[:32])
+    return docs.map(
+        _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"encode": BatchEncoder(tokenizer)},
+        num_proc=settings.num_proc, remove_columns=["text"],
+        cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
+    )
 
 
 def span_ids(segments: list[Segment], fetch, eos_id: int) -> np.ndarray:
@@ -101,19 +158,26 @@ def stage1_row(sample_index: int, segments: list[Segment], fetch, sources, setti
     return row
 
 
-def _map_span(example: dict, docs, settings: Stage1Settings, eos_id: int, l1_id: int) -> dict:
+def _map_spans(batch: dict[str, list], docs, settings: Stage1Settings, eos_id: int, l1_id: int) -> dict[str, list]:
+    """A batch of span plans -> their stage-1 rows (batched: ``datasets`` then converts whole columns at
+    once instead of one row at a time)."""
     # Straight from the memory-mapped Arrow table: ``docs[i]`` would format the whole row (a document's
     # token list into Python) for each segment, which cost more than the interleaving itself.
     table = docs.data
+    ids, source, meta = table.column("input_ids"), table.column("source"), table.column("meta")
 
     def fetch(d):
-        return table.column("input_ids")[int(d)].values.to_numpy(zero_copy_only=False)
+        return ids[int(d)].values.to_numpy(zero_copy_only=False)
 
     def sources(d):
-        return table.column("source")[int(d)].as_py(), table.column("meta")[int(d)].as_py()
+        return source[int(d)].as_py(), meta[int(d)].as_py()
 
-    segments = [tuple(int(v) for v in seg) for seg in example["segments"]]
-    return stage1_row(example["sample_index"], segments, fetch, sources, settings, eos_id, l1_id)
+    out: dict[str, list] = {}
+    for index, plan in zip(batch["sample_index"], batch["segments"]):
+        segments = [tuple(int(v) for v in seg) for seg in plan]
+        for key, value in stage1_row(index, segments, fetch, sources, settings, eos_id, l1_id).items():
+            out.setdefault(key, []).append(value)
+    return out
 
 
 def _spans(settings: Stage1Settings, lengths) -> Iterator[list[Segment]]:
@@ -144,7 +208,7 @@ def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
     plan = datasets.Dataset.from_dict(
         {"sample_index": list(range(len(spans))), "segments": [[list(s) for s in span] for span in spans]})
     rows = plan.map(
-        _map_span, fn_kwargs={"docs": docs, "settings": settings, "eos_id": prep.tokenizer.eos_token_id,
+        _map_spans, batched=True, batch_size=64, fn_kwargs={"docs": docs, "settings": settings, "eos_id": prep.tokenizer.eos_token_id,
                               "l1_id": prep.l1_id},
         remove_columns=["segments"], features=features(1),
         num_proc=settings.num_proc if settings.num_proc > 1 else None,
