@@ -1,0 +1,72 @@
+"""The training-free baselines on the 120 held-out questions of the scorer cells, paired with ACRE's row.
+
+Not part of the installed package. Run from a checkout, after ``studies/scorer/grow.py --name centered``
+made its exports (the baselines ignore the L1 weights; the export only supplies the base)::
+
+    python studies/scorer/baselines.py --cells 4096/niah_multikey,2048/squad
+
+Each baseline gets at most the KV that ACRE's row attended in the same cell:
+
+* ``truncated``: the last ``budget`` tokens of the context (budget = ACRE's attended KV);
+* ``cachefocus:k_finish=K``: layer-adaptive document pruning down to ``K`` documents, ``K`` the largest
+  whose kept KV stays at or under ACRE's (4K multikey: 1 of ~8 haystack documents; 2K SQuAD: 2 of ~10
+  paragraphs);
+* ``infoflow``: attends the whole context (it recomputes 15 % of it instead of dropping any), so it is
+  the strongest row and not at ACRE's budget; it is there to say what a KV-preserving method gets.
+
+Questions, seeds (777-779) and generation settings are the centred cells' (docs/real-base/scorer/centered),
+so every question pairs with ACRE's answer to it; the cell and ``paired-<row>.json`` per baseline go to
+docs/real-base/scorer/baselines/LENGTH/TASK/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as study  # noqa: E402
+from run import EVAL_SEEDS, REPO, log  # noqa: E402
+
+DOCS = REPO / "docs/real-base/scorer"
+# cell -> the baseline rows (each at or under ACRE's attended KV in that cell, infoflow aside)
+CELLS = {
+    "4096/niah_multikey": "truncated:budget=758,cachefocus:k_finish=1,infoflow",
+    "2048/squad": "cachefocus:k_finish=2,infoflow",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
+    parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    for cell in args.cells.split(","):
+        length, task = int(cell.split("/")[0]), cell.split("/")[1]
+        acre_cell = DOCS / "centered" / cell
+        if not (acre_cell / "predictions.jsonl").is_file():
+            raise SystemExit(f"{acre_cell}: ACRE's centred cell is missing; run studies/scorer/grow.py --name centered")
+        out = root / "eval" / "baselines" / cell
+        study.evaluate(root / "exports" / f"centered-{length}-{task}", length, task, root / "squad-heldout.json", out,
+                       seeds=seeds, rows=CELLS[cell], adapter="none (training-free baselines)")
+        docs = DOCS / "baselines" / cell
+        shutil.rmtree(docs, ignore_errors=True)
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(out, docs, ignore=shutil.ignore_patterns("calibration.*"))  # (ACRE's, not theirs)
+        for row in CELLS[cell].split(","):
+            comparison = study.paired(acre_cell, "acre", out, row)
+            (docs / f"paired-{row.split(':')[0]}.json").write_text(json.dumps(comparison, indent=2) + "\n")
+            log(f"cell {cell}: {row} - acre {comparison['other_minus_base']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
