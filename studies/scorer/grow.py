@@ -4,6 +4,7 @@ Not part of the installed package. Run from a checkout, after ``studies/scorer/r
 
     python studies/scorer/grow.py --root checkpoints/scorer-study --cells 4096/niah_multikey,2048/squad
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 4096/niah_multikey
+    python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 8192/niah_multikey
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
 stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
@@ -32,12 +33,14 @@ import run as study  # noqa: E402
 from run import DEV_SEED, EVAL_SEEDS, REPO, log  # noqa: E402
 
 DOCS = REPO / "docs/real-base"
-# cell -> (export it starts from, its committed cell, that cell's method, calibration layer, dev questions)
+# cell -> (export it starts from, its committed cell, that cell's method, calibration layer, dev questions).
+# A cell with no committed cell (8K) is evaluated with full attention beside ACRE and paired against it.
 CELLS = {
     "4096/niah_multikey": ("stage1-long", DOCS / "training/ladder/4096/niah_multikey/stage1-long",
                            "acre:scorer=l2:layers=3:heads=max:sinks=0:keep_sinks=0:neighbors=1", 3, 60),
     "2048/squad": ("stage2-sim-long", DOCS / "training/2048/squad",
                    "acre:scorer=l2:layers=7:heads=max:sinks=4:keep_sinks=1:neighbors=1", 7, 100),
+    "8192/niah_multikey": ("stage1-long", None, None, 3, 60),
 }
 
 
@@ -76,14 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         start, committed, method, _, _ = CELLS[cell]
         export = calibrated_export(root, cell, args.name, args.grow_shapes)
         chosen = json.loads((export / "calibration.json").read_text())["rows"][0]
-        if not chosen.get("grow"):
+        if not chosen.get("grow") and committed:
             log(f"cell {cell}: calibration kept whole spans ({chosen['setting']}); {committed} measures that setting")
             continue
         out = root / "eval" / args.name / str(length) / task
-        rows = "acre,full" if args.full else "acre"
+        rows = "acre,full" if args.full or committed is None else "acre"
         study.evaluate(export, length, task, root / "squad-heldout.json", out, seeds=seeds, rows=rows, adapter=start)
-        comparison = study.publish(out, DOCS / "scorer" / args.name / str(length) / task, committed, method, "acre")
-        log(f"cell {cell}: grown - whole spans {comparison['other_minus_base']}")
+        base_dir, base_row = (committed, method) if committed else (out, "full")
+        comparison = study.publish(out, DOCS / "scorer" / args.name / str(length) / task, base_dir, base_row, "acre")
+        log(f"cell {cell}: grown - {base_row} {comparison['other_minus_base']}")
     return 0
 
 

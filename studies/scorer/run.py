@@ -40,6 +40,7 @@ BASE = "base:qwen2.5-coder-0.5b-instruct"
 CELLS = {
     (2048, "squad"): (493, 16, "full,truncated:budget={budget},acre:scorer=l1:layers=-1,acre", 100),
     (4096, "niah_multikey"): (760, 48, "acre:scorer=l1:layers=-1,acre", 60),
+    (8192, "niah_multikey"): (None, 48, "acre,full", 60),  # (grow.py's 8K cell; truncation's budget comes after)
 }
 LAYERS = "2,3,5,7,9,12,16,20,23"
 EVAL_SEEDS = (777, 778, 779)
