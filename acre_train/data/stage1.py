@@ -81,10 +81,12 @@ def _tokenize_in_process(settings: Stage1Settings, tokenizer: Any, problems: Inp
     import datasets
     from datasets.arrow_writer import ArrowWriter
 
+    from datasets.utils.tqdm import tqdm  # (silenced with datasets' own progress bars)
+
     encode = BatchEncoder(tokenizer)
     with ArrowWriter(path=str(path), features=_tokenized_features()) as writer:
         batch: list[dict[str, str]] = []
-        for doc in iter_documents(settings, problems):
+        for doc in tqdm(iter_documents(settings, problems), desc="tokenizing", unit=" docs"):
             batch.append(doc)
             if len(batch) == batch_docs:
                 writer.write_table(_tokenized_table(encode([d["text"] for d in batch]), batch))
