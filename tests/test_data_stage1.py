@@ -188,7 +188,8 @@ def test_rerun_reuses_and_changed_settings_need_overwrite(tmp_path, corpus):
 @pytest.mark.slow
 def test_two_processes_give_the_same_rows(tmp_path, corpus, monkeypatch):
     # A fast tokenizer encodes while the records are read, in one process (it uses every core itself);
-    # a slow one is tokenized by datasets.map in workers. Every way gives the same rows and manifest.
+    # a slow one, or a fast one told to use one core, is tokenized by datasets.map in workers. Every way
+    # gives the same rows and manifest.
     from acre_train.data import stage1
 
     class SlowEncoder(stage1.BatchEncoder):
@@ -196,16 +197,23 @@ def test_two_processes_give_the_same_rows(tmp_path, corpus, monkeypatch):
             super().__init__(tokenizer)
             self.rust, self.tokenizer = None, tokenizer  # as for a tokenizer without a Rust backend
 
-    one, m1 = load_prepared(prepare_stage1(_settings(tmp_path, corpus, "one")))
-    two, m2 = load_prepared(prepare_stage1(_settings(tmp_path, corpus, "two", num_proc=2, cache_dir=tmp_path / "c2")))
-    monkeypatch.setattr(stage1, "BatchEncoder", SlowEncoder)
     workers = []
-    monkeypatch.setattr(stage1, "_tokenize_in_workers",
-                        lambda *a, real=stage1._tokenize_in_workers: workers.append(1) or real(*a))
-    slow, m3 = load_prepared(prepare_stage1(_settings(tmp_path, corpus, "slow", num_proc=2, cache_dir=tmp_path / "c3")))
-    assert workers and one.to_dict() == two.to_dict() == slow.to_dict()
+    real = stage1._tokenize_in_workers
+    monkeypatch.setattr(stage1, "_tokenize_in_workers", lambda *a: workers.append(a[0].output.name) or real(*a))
+
+    def prep(name, **over):
+        return load_prepared(prepare_stage1(_settings(tmp_path, corpus, name, cache_dir=tmp_path / name / "c", **over)))
+
+    runs = {"one": prep("one"), "two": prep("two", num_proc=2)}
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    runs["serial"] = prep("serial", num_proc=2)
+    monkeypatch.setattr(stage1, "BatchEncoder", SlowEncoder)
+    runs["slow"] = prep("slow", num_proc=2)
+    assert workers == ["serial", "slow"]
+    rows = {name: ds.to_dict() for name, (ds, _) in runs.items()}
+    assert all(r == rows["one"] for r in rows.values())
     for key in ("counts", "histograms", "plan", "skipped", "inputs"):
-        assert m1[key] == m2[key] == m3[key], key
+        assert all(m[key] == runs["one"][1][key] for _, m in runs.values()), key
 
 
 def test_unknown_settings_key_is_named():

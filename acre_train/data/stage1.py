@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -61,9 +62,9 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
         problems.examples.extend(saved["examples"])
         return datasets.load_from_disk(str(cache / "data"))
 
-    if settings.num_proc > 1 and BatchEncoder(tokenizer).rust is None:
+    if settings.num_proc > 1 and not _encodes_on_every_core(tokenizer):
         docs = _tokenize_in_workers(settings, tokenizer, key, problems, work)
-    else:  # (a fast tokenizer already encodes a batch on every core: workers would only add copies)
+    else:  # (workers would only add copies to a tokenizer that already uses every core)
         docs = _tokenize_in_process(settings, tokenizer, problems, work / "tokenized.arrow")
     # Several preparations may fill this cache at once: leave their partial folders alone, and keep
     # whichever finished first.
@@ -71,6 +72,12 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
         docs.save_to_disk(str(tmp / "data"))
         (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
     return datasets.load_from_disk(str(cache / "data"))
+
+
+def _encodes_on_every_core(tokenizer: Any) -> bool:
+    """A fast (Rust) tokenizer encodes a batch on every core unless ``TOKENIZERS_PARALLELISM`` turns that off."""
+    flag = os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower()
+    return BatchEncoder(tokenizer).rust is not None and flag not in ("0", "false", "off", "no")
 
 
 def _tokenize_in_process(settings: Stage1Settings, tokenizer: Any, problems: InputProblems, path: Path,
