@@ -22,7 +22,6 @@ docs/real-base/scorer/baselines/LENGTH/TASK/ (``--infoflow``: baselines-infoflow
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -32,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as study  # noqa: E402
-from run import EVAL_SEEDS, REPO, log  # noqa: E402
+from run import REPO, log  # noqa: E402
 
 DOCS = REPO / "docs/real-base/scorer"
 # cell -> the baseline rows, each at or under ACRE's attended KV in that cell
@@ -43,10 +42,7 @@ CELLS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--root", default="checkpoints/scorer-study")
-    parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
-    parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
+    parser = study.cell_parser(__doc__, CELLS)
     parser.add_argument("--infoflow", action="store_true", help="add infoflow (whole KV; its own folder)")
     args = parser.parse_args(argv)
     root = Path(args.root)

@@ -19,7 +19,6 @@ lacks it, so the answer-when-refilled can be set against full attention on the s
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as study  # noqa: E402
-from run import DEV_SEED, EVAL_SEEDS, REPO, log  # noqa: E402
+from run import DEV_SEED, REPO, log  # noqa: E402
 
 DOCS = REPO / "docs/real-base"
 # cell -> (export it starts from, its committed cell, that cell's method, calibration layer, dev questions).
@@ -64,10 +63,7 @@ def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--root", default="checkpoints/scorer-study")
-    parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
-    parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
+    parser = study.cell_parser(__doc__, CELLS)
     parser.add_argument("--full", action="store_true", help="add full attention (4K multikey: its cell has none)")
     parser.add_argument("--name", default="grow", help="names this sweep's export, evaluation and docs folder")
     parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered)")

@@ -47,6 +47,15 @@ EVAL_SEEDS = (777, 778, 779)
 DEV_SEED = 1000
 
 
+def cell_parser(doc: str, cells) -> argparse.ArgumentParser:
+    """The options every held-out cell script shares: its study root, the cells and the seeds."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--cells", default=",".join(cells), help=f"comma-separated, of {', '.join(cells)}")
+    parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
+    return parser
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
