@@ -1,9 +1,10 @@
 """The training-free baselines on the 120 held-out questions of the scorer cells, paired with ACRE's row.
 
-Not part of the installed package. Run from a checkout, after ``studies/scorer/grow.py --name centered``
-made its exports (the baselines ignore the L1 weights; the export only supplies the base)::
+Not part of the installed package. Run from a checkout; it needs ACRE's committed centred cells only, and
+answers through the untrained (stage 0) export, since the baselines ignore the L1 weights and the export
+only supplies the base (``--squad`` builds that export and the SQuAD splits on a fresh machine)::
 
-    python studies/scorer/baselines.py --cells 4096/niah_multikey,2048/squad
+    python studies/scorer/baselines.py --squad ../shared/data/squad-v2-dev.json --cells 4096/niah_multikey,2048/squad
 
 Each baseline gets at most the KV that ACRE's row attended in the same cell:
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--infoflow", action="store_true", help="add infoflow (whole KV; its own folder)")
     args = parser.parse_args(argv)
     root = Path(args.root)
+    study.prepare(root, args.squad)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     for cell in args.cells.split(","):
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
@@ -53,10 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (acre_cell / "predictions.jsonl").is_file():
             raise SystemExit(f"{acre_cell}: ACRE's centred cell is missing; run studies/scorer/grow.py --name centered")
         rows, name = ("infoflow", "baselines-infoflow") if args.infoflow else (CELLS[cell], "baselines")
-        out = root / "eval" / name / cell
-        study.evaluate(root / "exports" / f"centered-{length}-{task}", length, task, root / "squad-heldout.json", out,
-                       seeds=seeds, rows=rows, adapter="none (training-free baselines)")
-        docs = DOCS / name / cell
+        out, docs = root / "eval" / name / cell, DOCS / name / cell
+        study.evaluate(root / "exports" / "stage0", length, task, root / "squad-heldout.json", out,
+                       seeds=seeds, rows=rows, adapter="none (training-free baselines)", published=docs)
         shutil.rmtree(docs, ignore_errors=True)
         docs.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(out, docs, ignore=shutil.ignore_patterns("calibration.*"))  # (ACRE's, not theirs)

@@ -1,6 +1,7 @@
 """Grown refills (``refill.grow``) on the real 0.5B base: the held-out cells with the best trained row of each.
 
-Not part of the installed package. Run from a checkout, after ``studies/scorer/run.py`` made its root::
+Not part of the installed package. Run from a checkout (``--squad ../shared/data/squad-v2-dev.json`` builds
+the root's exports and SQuAD splits on a fresh machine)::
 
     python studies/scorer/grow.py --root checkpoints/scorer-study --cells 4096/niah_multikey,2048/squad
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 4096/niah_multikey
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered)")
     args = parser.parse_args(argv)
     root = Path(args.root)
+    study.prepare(root, args.squad)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     for cell in args.cells.split(","):
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
@@ -80,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         out = root / "eval" / args.name / str(length) / task
         rows = "acre,full" if args.full or committed is None else "acre"
-        study.evaluate(export, length, task, root / "squad-heldout.json", out, seeds=seeds, rows=rows, adapter=start)
+        docs = DOCS / "scorer" / args.name / str(length) / task
+        study.evaluate(export, length, task, root / "squad-heldout.json", out, seeds=seeds, rows=rows, adapter=start,
+                       published=docs)
         base_dir, base_row = (committed, method) if committed else (out, "full")
-        comparison = study.publish(out, DOCS / "scorer" / args.name / str(length) / task, base_dir, base_row, "acre")
+        comparison = study.publish(out, docs, base_dir, base_row, "acre")
         log(f"cell {cell}: grown - {base_row} {comparison['other_minus_base']}")
     return 0
 

@@ -53,7 +53,22 @@ def cell_parser(doc: str, cells) -> argparse.ArgumentParser:
     parser.add_argument("--root", default="checkpoints/scorer-study")
     parser.add_argument("--cells", default=",".join(cells), help=f"comma-separated, of {', '.join(cells)}")
     parser.add_argument("--seeds", default=",".join(str(s) for s in EVAL_SEEDS))
+    parser.add_argument("--squad", help="SQuAD v2 dev JSON: on a fresh machine, builds the root's exports of the "
+                        "committed adapters and its SQuAD splits first (kept when present)")
     return parser
+
+
+def prepare(root: Path, squad: str | None) -> None:
+    """What a held-out cell script needs in its root on a fresh machine: adapter-only exports of every
+    committed adapter (studies/adapters) and the dev / held-out SQuAD splits. Each is skipped when present."""
+    if squad is None:
+        return
+    sys.path.insert(0, str(HERE.parent / "training"))
+    from ladder import exports
+
+    root.mkdir(parents=True, exist_ok=True)
+    exports(root)
+    squad_splits(root, Path(squad))
 
 
 def log(msg: str) -> None:
@@ -97,10 +112,32 @@ def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squ
     tmp.replace(cell_export)
 
 
+def _seed_from_published(published: Path, task: str, seed: int, part: Path) -> bool:
+    """Rebuild one seed's part from a committed cell that holds it, so a fresh machine (whose study root
+    has no parts) only runs the seeds the committed cell lacks. Its seconds are the cell's mean per seed."""
+    from acre_train.eval.harness import EvalReport, summarize, write_outputs
+
+    cell = published / "cell.json"
+    if not cell.is_file() or seed not in json.loads(cell.read_text()).get("seeds", []):
+        return False
+    info = json.loads(cell.read_text())
+    rows = [r for r in map(json.loads, (published / "predictions.jsonl").read_text().splitlines())
+            if r["id"].startswith(f"{task}-{seed}-")]
+    tmp = part.with_name(part.name + ".rebuilt")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_outputs(EvalReport(rows, summarize(rows, list(dict.fromkeys(r["method"] for r in rows)))), tmp)
+    (tmp / "cell.json").write_text(json.dumps({"seconds": round(info["seconds"] / len(info["seeds"]), 1), "seed": seed,
+                                               "from": str(published)}) + "\n")
+    tmp.replace(part)
+    return True
+
+
 def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: Path,
-             seeds: tuple[int, ...] = EVAL_SEEDS, rows: str | None = None, adapter: str = ADAPTER.name) -> None:
+             seeds: tuple[int, ...] = EVAL_SEEDS, rows: str | None = None, adapter: str = ADAPTER.name,
+             published: Path | None = None) -> None:
     """Evaluate the cell one seed (40 questions) at a time: each seed's part is kept when it finishes, so a
-    session that ends mid-cell resumes at the next seed; the parts are merged into ``out`` at the end."""
+    session that ends mid-cell resumes at the next seed; the parts are merged into ``out`` at the end.
+    A seed that the committed cell ``published`` already holds is taken from it instead of re-run."""
     import torch
 
     from acre_train.data.tokenizer import auto_tokenizer
@@ -118,10 +155,14 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
     model, _, _ = load_export(cell_export, dtype=torch.float32)
     tok = auto_tokenizer(resolve_source(BASE))
     parts = out.with_name(out.name + ".parts")
+    parts.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         part = parts / str(seed)
         if (part / "summary.json").is_file():
             log(f"eval {length}/{task} seed {seed}: done earlier ({part})")
+            continue
+        if published is not None and _seed_from_published(published, task, seed, part):
+            log(f"eval {length}/{task} seed {seed}: taken from the committed cell {published}")
             continue
         examples = build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)
         log(f"eval {length}/{task} seed {seed}: {len(examples)} questions, rows {[m.label() for m in methods]}")
