@@ -12,7 +12,8 @@ stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and sel
 (the same dev questions as every other calibration: needles at seed 1000, SQuAD training articles;
 ``--grow`` swept beside whole spans and neighbours), evaluates the 120 held-out questions (seeds 777-779)
 with the chosen setting, and pairs every question with that row's committed cell (the same export and
-questions, whole-span selection). ``--grow-shapes`` is swept by calibrate (``attention``: regions grow
+questions, whole-span selection). Where the docs already hold the cell's calibration, a fresh
+machine writes that choice into its copy of the export instead of calibrating again. ``--grow-shapes`` is swept by calibrate (``attention``: regions grow
 toward the most-attended token; ``centered``: an even share of the budget centred on each seed); ``--name``
 keeps each sweep's export, evaluation and docs apart (docs/real-base/scorer/NAME/). ``--full`` adds full attention on the seeds whose committed cell
 lacks it, so the answer-when-refilled can be set against full attention on the same questions.
@@ -53,6 +54,15 @@ def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "
     tmp = export.with_name(export.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(root / "exports" / start, tmp)
+    committed = DOCS / "scorer" / name / cell / "calibration.json"
+    if committed.is_file():  # a fresh machine: write the committed choice into the copy instead of re-calibrating
+        from acre_train.eval.calibrate import write_choice
+
+        table = json.loads(committed.read_text())
+        write_choice(tmp, table["rows"], {k: v for k, v in table.items() if k not in ("chosen", "rows")})
+        log(f"cell {cell}: calibration taken from {committed} ({table['chosen']})")
+        tmp.replace(export)
+        return export
     cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(root / "squad-train.json"),
            "--context-tokens", length, "--num-examples", str(count), "--seed", str(DEV_SEED), "--scorers", "l2",
            "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--grow-shapes", shapes, "--no-progress"]
