@@ -14,6 +14,8 @@ Steps (each skipped when its output exists, so the command continues where it st
                      on 2 cores, as measured; ~3 and ~2.5 epochs of the same data);
 * ``stage2-sim-long``  stage2-long again (same start, data, order, lr, steps) in the refilled layout
                      (``recipes/qwen2.5-0.5b/stage2-sim.yaml``, ``train/refill_sim.py``);
+* ``stage1-distill``, ``stage2-sim-distill``  stage1-long (60 steps) and stage2-sim-long with half the loss
+                     a KL to the frozen base under full attention (``train.distill``);
 * ``export``   adapter-only exports of stage 0 (untrained L1 = copies of the base), stage 1, stage 1+2;
 * ``eval``     one cell per (context length, task, model): ``evaluate`` into ``eval/<len>/<task>/<model>/``,
                written atomically, so an interrupted evaluation redoes at most one cell;
@@ -86,6 +88,11 @@ RUNS: dict[str, Run] = {
     # weight * KL(base with full attention || ACRE) + (1 - weight) * CE (CEPE's KL x2 + LM is weight 2/3).
     "stage1-distill": Run("qwen2.5-0.5b-stage1-distill-lora-60", "stage1", _acre("stage 1 distilled (60 steps)"),
                           ("train.max_steps=60", "train.distill.weight=0.5")),
+    # The training issue's last row: stage2-sim-long (same start, data, order, lr, steps) plus the same KL to
+    # the frozen base on the answer tokens, so that the pair isolates what distillation adds in stage 2.
+    "stage2-sim-distill": Run("qwen2.5-0.5b-stage2-sim-distill-lora-120", "stage2-sim",
+                              _acre("stage 1+2 refill-simulated + distilled (120 + 120 steps)"),
+                              ("train.max_steps=120", "train.distill.weight=0.5"), start="stage1-long"),
 }
 STEPS = ("streams", "corpus", *RUNS, "export", "eval", "report")
 STREAMS_VERSION = 2  # 2: stage-2 conversations carry their evidence (character ranges of the answer's support)
