@@ -112,9 +112,10 @@ def calibrate(exported: Path, cell_export: Path, length: int, task: str, dev_squ
     tmp.replace(cell_export)
 
 
-def _seed_from_published(published: Path, task: str, seed: int, part: Path) -> bool:
-    """Rebuild one seed's part from a committed cell that holds it, so a fresh machine (whose study root
-    has no parts) only runs the seeds the committed cell lacks. Its seconds are the cell's mean per seed."""
+def _seed_from_published(published: Path, task: str, seed: int, part: Path, labels: list[str]) -> bool:
+    """Rebuild one seed's part from a committed cell that holds it with exactly the rows ``labels``, so a
+    fresh machine (whose study root has no parts) only runs the seeds the committed cell lacks. Its seconds
+    are the cell's mean per seed."""
     from acre_train.eval.harness import EvalReport, summarize, write_outputs
 
     cell = published / "cell.json"
@@ -123,6 +124,8 @@ def _seed_from_published(published: Path, task: str, seed: int, part: Path) -> b
     info = json.loads(cell.read_text())
     rows = [r for r in map(json.loads, (published / "predictions.jsonl").read_text().splitlines())
             if r["id"].startswith(f"{task}-{seed}-")]
+    if sorted(set(r["method"] for r in rows)) != sorted(labels):
+        return False  # (other rows than this run asks for: run the seed)
     tmp = part.with_name(part.name + ".rebuilt")
     shutil.rmtree(tmp, ignore_errors=True)
     write_outputs(EvalReport(rows, summarize(rows, list(dict.fromkeys(r["method"] for r in rows)))), tmp)
@@ -161,7 +164,7 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
         if (part / "summary.json").is_file():
             log(f"eval {length}/{task} seed {seed}: done earlier ({part})")
             continue
-        if published is not None and _seed_from_published(published, task, seed, part):
+        if published is not None and _seed_from_published(published, task, seed, part, [m.label() for m in methods]):
             log(f"eval {length}/{task} seed {seed}: taken from the committed cell {published}")
             continue
         examples = build_task(task, tok, length, 40, seed, squad_path=held_squad, questions_per_context=4)
