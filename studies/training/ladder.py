@@ -35,7 +35,9 @@ from sim import STAGE1, plain_cell, plain_setting, publish_cell  # noqa: E402
 ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/stage2-sim-lora-step120+120.safetensors",
             # stage 1 distilled from the frozen base, half the CE row's steps (acre-train reproduce real --steps
             # stage1-distill, then --steps export; the export's adapter file is copied here when it finishes)
-            "stage1-distill": REPO / "studies/adapters/stage1-distill-lora-step60.safetensors"}
+            "stage1-distill": REPO / "studies/adapters/stage1-distill-lora-step60.safetensors",
+            # stage2-sim-long plus half the loss a KL to the frozen base (sim.py --row stage2-sim-distill copies it here)
+            "stage2-sim-distill": REPO / "studies/adapters/stage2-sim-distill-lora-step120+120.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
 DEFAULT_CELLS = "2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long"
 
@@ -76,7 +78,9 @@ def committed_rows(length: int, task: str, setting: str) -> list[tuple[str, Path
             ("stage 1 distilled (60 steps)", DOCS / "training/ladder" / cell / "stage1-distill", setting),
             ("stage 1+2 plain (120 + 120)", DOCS / "scorer" / cell, "acre"),
             ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training" / cell, setting),
-            ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training/ladder" / cell / "stage2-sim-long", setting)]
+            ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training/ladder" / cell / "stage2-sim-long", setting),
+            ("stage 1+2 refill-simulated + distilled (120 + 120)", DOCS / "training/ladder" / cell / "stage2-sim-distill",
+             setting)]
     seen, out = set(), []
     for label, folder, method in rows:
         if label not in seen and (folder / "predictions.jsonl").is_file():

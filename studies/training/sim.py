@@ -39,8 +39,12 @@ from run import EVAL_SEEDS, REPO, log  # noqa: E402
 
 RECIPE = REPO / "recipes/qwen2.5-0.5b/stage2-sim.yaml"
 STAGE1 = REPO / "studies/adapters/stage1-lora-step120.safetensors"
-RUN_NAME = "qwen2.5-0.5b-stage2-sim-lora-120"
 STEPS = 120
+# --row: the run's name and what it adds to the recipe. Both rows share start, data, order, lr and steps,
+# so they differ only in the KL to the frozen base (studies/real/study.py defines the same two runs).
+ROWS = {"stage2-sim-long": ("qwen2.5-0.5b-stage2-sim-lora-120", ()),
+        "stage2-sim-distill": ("qwen2.5-0.5b-stage2-sim-distill-lora-120", ("train.distill.weight=0.5",))}
+RUN_NAME = ROWS["stage2-sim-long"][0]
 GEOMETRY = ["--first-chunk", "1024", "--stride", "512", "--interval", "32", "--max-refill", "192"]
 CELLS = ("2048/squad", "4096/niah_multikey")
 
@@ -57,15 +61,16 @@ def inputs(root: Path, squad: Path) -> tuple[Path, Path]:
     return study.streams / "stage2.jsonl", start
 
 
-KEPT = HERE / "resume" / RUN_NAME  # a session's last checkpoint, committed when it ended mid-run
+RESUME = HERE / "resume"  # a session's last checkpoint of each run, committed when it ended mid-run
 
 
 def seed_run(run_dir: Path) -> None:
-    """Continue from the committed checkpoint (``KEPT``) when this machine's run is behind it, so a run
-    cut by a session's end resumes on a fresh machine; the run's metrics come with it."""
+    """Continue from the committed checkpoint (``RESUME/<run>``) when this machine's run is behind it, so a
+    run cut by a session's end resumes on a fresh machine; the run's metrics come with it."""
     from acre_train.train import latest_checkpoint
 
-    kept = latest_checkpoint(KEPT) if KEPT.is_dir() else None
+    kept_dir = RESUME / run_dir.name
+    kept = latest_checkpoint(kept_dir) if kept_dir.is_dir() else None
     mine = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     step = lambda ckpt: int(ckpt.name.split("-")[-1]) if ckpt else -1  # noqa: E731
     if kept is None or step(mine) >= step(kept):
@@ -73,37 +78,39 @@ def seed_run(run_dir: Path) -> None:
     log(f"resuming from the committed {kept} (this machine's run is at step {max(step(mine), 0)})")
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copytree(kept, run_dir / kept.name, dirs_exist_ok=True)
-    shutil.copy2(KEPT / "metrics.jsonl", run_dir / "metrics.jsonl")
+    shutil.copy2(kept_dir / "metrics.jsonl", run_dir / "metrics.jsonl")
     (run_dir / "latest").write_text(kept.name + "\n")
 
 
 def keep_checkpoint(run_dir: Path) -> None:
-    """Copy the run's latest checkpoint and metrics to ``KEPT`` (commit it when a session ends mid-run)."""
+    """Copy the run's latest checkpoint and metrics to ``RESUME/<run>`` (commit it when a session ends mid-run)."""
     from acre_train.train import latest_checkpoint
 
+    kept_dir = RESUME / run_dir.name
     ckpt = latest_checkpoint(run_dir)
-    shutil.rmtree(KEPT, ignore_errors=True)
-    KEPT.mkdir(parents=True)
-    shutil.copytree(ckpt, KEPT / ckpt.name)
-    shutil.copy2(run_dir / "metrics.jsonl", KEPT / "metrics.jsonl")
-    (KEPT / "latest").write_text(ckpt.name + "\n")
-    log(f"kept {ckpt.name} in {KEPT}")
+    shutil.rmtree(kept_dir, ignore_errors=True)
+    kept_dir.mkdir(parents=True)
+    shutil.copytree(ckpt, kept_dir / ckpt.name)
+    shutil.copy2(run_dir / "metrics.jsonl", kept_dir / "metrics.jsonl")
+    (kept_dir / "latest").write_text(ckpt.name + "\n")
+    log(f"kept {ckpt.name} in {kept_dir}")
 
 
-def train(root: Path, data: Path, start: Path, steps: int) -> Path:
+def train(root: Path, data: Path, start: Path, steps: int, row: str = "stage2-sim-long") -> Path:
+    run_name, extra = ROWS[row]
     runs = root / "runs"
-    seed_run(runs / RUN_NAME)
-    cmd = ["acre-train", "train", str(RECIPE), f"output_root={runs}", f"run_name={RUN_NAME}",
+    seed_run(runs / run_name)
+    cmd = ["acre-train", "train", str(RECIPE), f"output_root={runs}", f"run_name={run_name}",
            f"model.init_from={start}", f"data.path={root / 'data' / 'stage2'}", f"data.prepare.inputs=[{data}]",
            f"train.max_steps={steps}", "checkpoint.every_steps=4", "checkpoint.resume_from_checkpoint=latest",
-           "logging.progress_bar=false"]
+           "logging.progress_bar=false", *extra]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
-    return runs / RUN_NAME
+    return runs / run_name
 
 
-def export(root: Path, run_dir: Path) -> Path:
-    out = root / "exports" / "stage2-sim-long"
+def export(root: Path, run_dir: Path, row: str = "stage2-sim-long") -> Path:
+    out = root / "exports" / row
     if not (out / "config.json").is_file():
         subprocess.run(["acre-train", "export", str(run_dir), str(out), "--adapter-only", "--overwrite", *GEOMETRY],
                        check=True)
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article)")
     parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--row", choices=list(ROWS), default="stage2-sim-long",
+                        help="stage2-sim-distill: the same run plus half the loss a KL to the frozen base")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--cells", default=",".join(CELLS), help="LENGTH/TASK,... to evaluate")
     parser.add_argument("--seeds", default=",".join(map(str, EVAL_SEEDS)))
@@ -152,13 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(args.root)
     if args.keep:
-        keep_checkpoint(root / "runs" / RUN_NAME)
+        keep_checkpoint(root / "runs" / ROWS[args.row][0])
         return 0
     data, start = inputs(root, Path(args.squad))
-    run_dir = train(root, data, start, args.steps)
+    run_dir = train(root, data, start, args.steps, args.row)
     if args.train_only:
         return 0
-    exported = export(root, run_dir)
+    exported = export(root, run_dir, args.row)
+    if args.row != "stage2-sim-long":  # the ladder answers every other row from its committed adapter
+        from ladder import ADAPTERS
+
+        shutil.copy2(exported / "acre_adapter.safetensors", ADAPTERS[args.row])
+        log(f"adapter -> {ADAPTERS[args.row]}; evaluate it with studies/training/ladder.py --cells "
+            f"{','.join(c + ':' + args.row for c in args.cells.split(','))}")
+        return 0
     seeds = tuple(int(x) for x in args.seeds.split(","))
     for spec in args.cells.split(","):
         length, task = int(spec.split("/")[0]), spec.split("/")[1]
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         row = plain_setting(calibration)
         out = root / "eval" / "sim" / str(length) / task
         scorer_study.evaluate(exported, length, task, root / "streams" / "squad-heldout.json", out, seeds, rows=row,
-                              adapter=RUN_NAME)
+                              adapter=ROWS[args.row][0])
         publish_cell(out, Path(args.docs) / str(length) / task, plain, row, spec)
     return 0
 
