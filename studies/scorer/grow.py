@@ -51,18 +51,12 @@ def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "
     export = root / "exports" / f"{name}-{length}-{task}"
     if (export / "calibration.json").is_file():
         return export
+    committed = DOCS / "scorer" / name / cell / "calibration.json"
+    if committed.is_file():  # a fresh machine: write the committed choice into the copy instead of re-calibrating
+        return study.with_calibration(root / "exports" / start, export, committed)
     tmp = export.with_name(export.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(root / "exports" / start, tmp)
-    committed = DOCS / "scorer" / name / cell / "calibration.json"
-    if committed.is_file():  # a fresh machine: write the committed choice into the copy instead of re-calibrating
-        from acre_train.eval.calibrate import write_choice
-
-        table = json.loads(committed.read_text())
-        write_choice(tmp, table["rows"], {k: v for k, v in table.items() if k not in ("chosen", "rows")})
-        log(f"cell {cell}: calibration taken from {committed} ({table['chosen']})")
-        tmp.replace(export)
-        return export
     cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(root / "squad-train.json"),
            "--context-tokens", length, "--num-examples", str(count), "--seed", str(DEV_SEED), "--scorers", "l2",
            "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--grow-shapes", shapes, "--no-progress"]

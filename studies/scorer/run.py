@@ -71,6 +71,23 @@ def prepare(root: Path, squad: str | None) -> None:
     squad_splits(root, Path(squad))
 
 
+def with_calibration(source: Path, dest: Path, committed: Path) -> Path:
+    """A copy of the export ``source`` at ``dest`` that answers with the choice of a committed calibration
+    table (a published cell's ``calibration.json``) without calibrating again; an existing copy is kept."""
+    from acre_train.eval.calibrate import write_choice
+
+    if (dest / "calibration.json").is_file():
+        return dest
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    table = json.loads(committed.read_text())
+    write_choice(tmp, table["rows"], {k: v for k, v in table.items() if k not in ("chosen", "rows")})
+    log(f"{dest.name}: calibration taken from {committed} ({table['chosen']})")
+    tmp.replace(dest)
+    return dest
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 

@@ -1,19 +1,26 @@
-"""The training study's ladder on the real 0.5B base: stage 0, stage 1, stage 1+2 plain and refill-simulated,
-each answering the same held-out cells with the same (plain row's calibrated) scorer, paired by question.
+"""The training study's ladder on the real 0.5B base: stage 0, stage 1 (CE and distilled), stage 1+2 plain,
+refill-simulated and refill-simulated + distilled, each answering the same held-out cells with the same
+inference setting, paired by question.
 
 Not part of the installed package. Run from a checkout after ``acre-train base fetch
 qwen2.5-coder-0.5b-instruct``; it needs no training and no earlier study root, only the adapters
-committed in studies/adapters and the plain row's cells in docs/real-base/scorer::
+committed in studies/adapters and the reference cells in docs/real-base/scorer::
 
     python studies/training/ladder.py --squad ../shared/data/squad-v2-dev.json --root checkpoints/scorer-study \\
         --cells 2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long
+    python studies/training/ladder.py --squad ../shared/data/squad-v2-dev.json \\
+        --cells 8192/niah_multikey@centered:stage2-sim-long+stage2-sim-distill
 
 Each ``LENGTH/TASK:ROW+ROW`` evaluates those rows (``stage0``: untrained L1, copies of the base's
-projections; ``stage1-long``: stage 1, 120 steps; ``stage2-sim-long``: stage 1+2 in the refilled layout,
-120 + 120 steps; ``stage1-distill``: stage 1 distilled, 60 steps) seed by seed (a finished seed is kept,
-so a session that ends mid-cell resumes) and writes, per row, the cell and its paired comparison with
-the plain stage 1+2 row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. Where the plain cell has no
-full-attention row on every question (4K multikey ran it on seed 777 only), ``--full`` adds it to the
+projections; ``stage1-long``: stage 1, 120 steps; ``stage1-distill``: stage 1 distilled, 60 steps;
+``stage2-sim-long``: stage 1+2 in the refilled layout, 120 + 120 steps; ``stage2-sim-distill``: the same
+plus half the loss a KL to the frozen base) seed by seed (a finished seed is kept, so a session that ends
+mid-cell resumes) with the plain stage 1+2 row's calibrated scorer, and writes, per row, the cell and its
+paired comparison with that row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. ``LENGTH/TASK@SWEEP``
+answers instead with a grown-refill sweep's committed calibration (``@centered``: the calibrated centred
+regions of docs/real-base/scorer/centered/, the best setting at 4K and 8K multikey), pairs with that sweep's
+own cell and writes to docs/real-base/training/ladder/SWEEP/LENGTH/TASK/ROW/. Where the reference cell has
+no full-attention row on every question (4K multikey ran it on seed 777 only), ``--full`` adds it to the
 row's own cell, so the answer-when-refilled can be set against full attention on the same questions.
 """
 
@@ -54,38 +61,64 @@ def exports(root: Path) -> dict[str, Path]:
     return {row: study.export_dir(row) for row in rows}
 
 
-def parse_cells(spec: str) -> list[tuple[int, str, list[str]]]:
+def parse_cells(spec: str) -> list[tuple[int, str, str | None, list[str]]]:
+    """``LENGTH/TASK[@SWEEP][:ROW+ROW]`` -> (length, task, sweep or None, rows)."""
     cells = []
     for part in spec.split(","):
         where, _, rows = part.partition(":")
+        where, _, sweep = where.partition("@")
         length, task = where.split("/")
         chosen = rows.split("+") if rows else list(ROWS)
         unknown = [r for r in chosen if r not in ROWS]
         if unknown:
             raise SystemExit(f"cell {part!r}: unknown row(s) {unknown}; rows are {list(ROWS)}")
-        cells.append((int(length), task, chosen))
+        if sweep and not (DOCS / "scorer" / sweep / where / "calibration.json").is_file():
+            raise SystemExit(f"cell {part!r}: docs/real-base/scorer/{sweep}/{where} has no calibration.json")
+        cells.append((int(length), task, sweep or None, chosen))
     return cells
 
 
-# Where each row's committed cell lives, per (length, task): (label, folder, the row's method in it).
 DOCS = REPO / "docs/real-base"
+LABELS = {"stage0": "stage 0 (untrained L1)", "stage1-long": "stage 1 (120 steps)",
+          "stage1-distill": "stage 1 distilled (60 steps)", "stage2-long": "stage 1+2 plain (120 + 120)",
+          "stage2-sim-long": "stage 1+2 refill-simulated (120 + 120)",
+          "stage2-sim-distill": "stage 1+2 refill-simulated + distilled (120 + 120)"}
 
 
-def committed_rows(length: int, task: str, setting: str) -> list[tuple[str, Path, str]]:
-    cell = f"{length}/{task}"
-    rows = [("stage 0 (untrained L1)", DOCS / "training/ladder" / cell / "stage0", setting),
-            ("stage 1 (120 steps)", DOCS / "training/ladder" / cell / "stage1-long", setting),
-            ("stage 1 distilled (60 steps)", DOCS / "training/ladder" / cell / "stage1-distill", setting),
-            ("stage 1+2 plain (120 + 120)", DOCS / "scorer" / cell, "acre"),
-            ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training" / cell, setting),
-            ("stage 1+2 refill-simulated (120 + 120)", DOCS / "training/ladder" / cell / "stage2-sim-long", setting),
-            ("stage 1+2 refill-simulated + distilled (120 + 120)", DOCS / "training/ladder" / cell / "stage2-sim-distill",
-             setting)]
+def reference(root: Path, length: int, task: str, sweep: str | None) -> tuple[str, Path, str]:
+    """(the method every row answers with, the reference cell, the reference row's name).
+
+    Without a sweep the rows answer with the plain stage 1+2 row's calibrated setting and are paired with
+    that row's cell. With one (``@centered``) they answer with that sweep's committed calibration, written
+    into a copy of each row's export, and are paired with the sweep's own cell (grow.py's trained row)."""
+    if sweep is None:
+        calibration, plain = plain_cell(root, length, task)
+        return plain_setting(calibration), plain, "stage2-long"
+    from grow import CELLS as GROWN
+
+    return "acre", DOCS / "scorer" / sweep / f"{length}/{task}", GROWN[f"{length}/{task}"][0]
+
+
+def ladder_dir(base: Path, length: int, task: str, sweep: str | None) -> Path:
+    return (base / sweep if sweep else base) / str(length) / task
+
+
+def committed_rows(length: int, task: str, sweep: str | None = None) -> list[tuple[str, Path, str]]:
+    """Each row's committed cell for (length, task[, sweep]): (label, folder, the row's method in it)."""
+    method, ref_folder, ref_row = reference(Path("/nonexistent"), length, task, sweep)
+    cell = ladder_dir(DOCS / "training/ladder", length, task, sweep)
+    candidates = []
+    for row, label in LABELS.items():
+        if row == ref_row:
+            candidates.append((label, ref_folder, "acre"))
+        if sweep is None and row == "stage2-sim-long":  # the row's first cell, from sim.py
+            candidates.append((label, DOCS / "training" / f"{length}/{task}", method))
+        candidates.append((label, cell / row, method))
     seen, out = set(), []
-    for label, folder, method in rows:
+    for label, folder, row_method in candidates:
         if label not in seen and (folder / "predictions.jsonl").is_file():
             seen.add(label)
-            out.append((label, folder, method))
+            out.append((label, folder, row_method))
     return out
 
 
@@ -94,31 +127,43 @@ def _full_scores(folder: Path) -> list[float]:
             if r["method"] == "full"]
 
 
-def _full_line(folders: list[Path]) -> str:
-    """Full attention's score on the cell's questions, from the first folder that has a ``full`` row."""
+def _full_cell(length: int, task: str, folders: list[Path]) -> Path | None:
+    """The committed cell with the most full-attention answers to these held-out questions (the scorer
+    study's cells share the seeds, so their question ids pair)."""
+    cell = f"{length}/{task}"
+    candidates = [*folders, DOCS / "scorer" / cell, *sorted(DOCS.glob(f"scorer/*/{cell}"))]
+    counted = [(len(_full_scores(f)), f) for f in candidates if (f / "predictions.jsonl").is_file()]
+    best = max(counted, key=lambda x: x[0], default=(0, None))
+    return best[1] if best[0] else None
+
+
+def _full_line(folder: Path | None) -> str:
     from acre_train.eval.metrics import bootstrap_ci
 
-    for folder in folders:
-        scores = _full_scores(folder)
-        if scores:
-            mean, low, high = bootstrap_ci(scores)
-            return f"Full attention (the untrained base): {mean:.1f} ({low:.1f}–{high:.1f}), n={len(scores)}."
-    return "No full-attention row on these questions."
+    if folder is None:
+        return "No full-attention row on these questions."
+    scores = _full_scores(folder)
+    mean, low, high = bootstrap_ci(scores)
+    return (f"Full attention (the untrained base): {mean:.1f} ({low:.1f}–{high:.1f}), n={len(scores)} "
+            f"({folder.relative_to(DOCS)}).")
 
 
-def report(cells: list[tuple[int, str]]) -> str:
-    """The ladder's table per cell, every row paired with the plain stage 1+2 row on the same questions."""
+def report(cells: list[tuple[int, str, str | None]], spec: str) -> str:
+    """The ladder's table per cell, every row paired with the cell's reference row on the same questions."""
     lines = ["# The training ladder on the real 0.5B base", "",
-             "Every row answers the same held-out questions with the same inference setting (the plain row's",
-             "calibrated scorer for the cell), so a difference is the L1 weights' alone. Generated by",
-             "`python studies/training/ladder.py --report-only --cells 2048/squad,4096/niah_multikey` from the committed cells.", ""]
-    for length, task in cells:
-        calibration, plain = plain_cell(Path("/nonexistent"), length, task)
-        setting = plain_setting(calibration)
-        rows = committed_rows(length, task, setting)
-        lines += [f"## {length} tokens, {task}", "", f"Scorer: `{setting}`.", "",
+             "Every row of a table answers the same held-out questions with the same inference setting, so a",
+             "difference is the L1 weights' alone: the plain stage 1+2 row's calibrated scorer, or, for a cell",
+             "named `@SWEEP`, that sweep's committed calibration (docs/real-base/scorer/SWEEP/). Generated by",
+             f"`python studies/training/ladder.py --report-only --cells {spec}` from the committed cells.", ""]
+    for length, task, sweep in cells:
+        setting, ref_folder, ref_row = reference(Path("/nonexistent"), length, task, sweep)
+        if setting == "acre":
+            setting = json.loads((ref_folder / "calibration.json").read_text())["chosen"]
+        rows = committed_rows(length, task, sweep)
+        lines += [f"## {length} tokens, {task}" + (f", {sweep}" if sweep else ""), "",
+                  f"Setting: `{setting}`. Reference row: {LABELS[ref_row]}.", "",
                   "| row | score (95 % CI) | whole evidence % | when refilled (n) | when missed (n) | full when refilled | "
-                  "paired − plain (95 % CI) | paired − stage 0 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "paired − reference (95 % CI) | paired − stage 0 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         stage0 = next(((f, m) for label, f, m in rows if label.startswith("stage 0")), None)
 
         def diff(base: tuple[Path, str] | None, folder: Path, method: str) -> str:
@@ -127,9 +172,9 @@ def report(cells: list[tuple[int, str]]) -> str:
             d = scorer_study.paired(base[0], base[1], folder, method)["other_minus_base"]
             return f"{d[0]:+.1f} ({d[1]:+.1f} … {d[2]:+.1f})"
 
-        full_cell = next((f for f in [plain, *(f for _, f, _ in rows)] if _full_scores(f)), None)
+        full_cell = _full_cell(length, task, [ref_folder, *(f for _, f, _ in rows)])
         for label, folder, method in rows:
-            c = scorer_study.paired(plain, "acre", folder, method)
+            c = scorer_study.paired(ref_folder, "acre", folder, method)
             r = c["other_row"]
             # full attention on the questions this row refilled, wherever the cell's full row lives
             full = scorer_study.paired(full_cell, "full", folder, method)["other_row"].get("full_when_refilled") \
@@ -137,9 +182,9 @@ def report(cells: list[tuple[int, str]]) -> str:
             lines.append(
                 f"| {label} | {r['score'][0]:.1f} ({r['score'][1]:.1f}–{r['score'][2]:.1f}) | {r['refill_covered']:.1f} | "
                 f"{r['score_when_refilled']:.1f} ({r['score_when_refilled_n']}) | {r['score_when_missed']:.1f} "
-                f"({r['score_when_missed_n']}) | {f'{full[0]:.1f}' if full else '–'} | {diff((plain, 'acre'), folder, method)} | "
+                f"({r['score_when_missed_n']}) | {f'{full[0]:.1f}' if full else '–'} | {diff((ref_folder, 'acre'), folder, method)} | "
                 f"{diff(stage0, folder, method)} |")
-        lines.append(f"\n{c['n']} questions in every pairing. {_full_line([plain, *(f for _, f, _ in rows)])}")
+        lines.append(f"\n{c['n']} questions in every pairing. {_full_line(full_cell)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -155,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="only rewrite the table from the committed cells")
     args = parser.parse_args(argv)
     if args.report_only:
-        cells = [(length, task) for length, task, _ in parse_cells(args.cells)]
+        cells = [(length, task, sweep) for length, task, sweep, _ in parse_cells(args.cells)]
         out = Path(args.docs) / "README.md"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report(cells) + "\n")
+        out.write_text(report(cells, args.cells) + "\n")
         print(out.read_text())
         return 0
     if not args.squad:
@@ -169,16 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     exported = exports(root)
     _, held = scorer_study.squad_splits(root, Path(args.squad))
     seeds = tuple(int(x) for x in args.seeds.split(","))
-    for length, task, rows in cells:
-        calibration, plain = plain_cell(root, length, task)
-        setting = plain_setting(calibration)
+    for length, task, sweep, rows in cells:
+        setting, ref_folder, _ = reference(root, length, task, sweep)
         for row in rows:
             if row not in exported:
                 raise SystemExit(f"row {row}: its adapter {ADAPTERS[row]} is not here yet (see ADAPTERS)")
-            out = root / "eval" / "ladder" / row / str(length) / task
+            export = exported[row]
+            if sweep:  # the sweep's committed choice, written into a copy of the row's export
+                export = scorer_study.with_calibration(export, root / "exports" / f"ladder-{sweep}-{length}-{task}-{row}",
+                                                       ref_folder / "calibration.json")
+            out = ladder_dir(root / "eval" / "ladder", length, task, sweep) / row
+            docs = ladder_dir(Path(args.docs), length, task, sweep) / row
             methods = ("full," if args.full else "") + setting
-            scorer_study.evaluate(exported[row], length, task, held, out, seeds, rows=methods, adapter=row)
-            publish_cell(out, Path(args.docs) / str(length) / task / row, plain, setting, f"{length}/{task} {row}")
+            scorer_study.evaluate(export, length, task, held, out, seeds, rows=methods, adapter=row, published=docs)
+            publish_cell(out, docs, ref_folder, setting, f"{length}/{task} {row}")
     return 0
 
 
