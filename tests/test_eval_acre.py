@@ -163,6 +163,38 @@ def test_refill_recall_and_rank_of_the_evidence_span():
     assert refill_recall(None, example, cache, selected=[0, 1, 2, 3], scores=None)["refill_rank"] is None
 
 
+class _CharTokenizer:
+    """One token per character, with offsets: a context's token ranges are its character ranges."""
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
+def test_refill_visible_gold_names_the_look_alikes_a_question_saw():
+    from types import SimpleNamespace
+
+    from acre_train.eval.methods.acre import gold_token_ranges, refill_recall
+
+    # Three needles of 4 characters after a 6-token prefix; the answer is the second one's.
+    # Spans of the cache (prompt coordinates): [6,14) holds needle 0, [22,30) needle 1, [30,38) needle 2.
+    context = "xxxxAAAAxxxxxxxxBBBBxxxxxxxxCCCC"
+    ex = Example(id="t", question="q?", answers=["BBBB"], context=context, gold_spans=[[4, 8], [16, 20], [28, 32]])
+    prepared = PreparedExample(ex, [1] * 6, [[1] * len(context)], [1] * 3, [])
+    cache = SimpleNamespace(span_bounds=torch.tensor([6, 14, 22, 30, 38]), num_context_tokens=38, tail_ids=[])
+    tok = _CharTokenizer()
+    assert gold_token_ranges(tok, prepared) == [(10, 14), (22, 26), (34, 38)]
+    got = refill_recall(tok, prepared, cache, selected=[2])
+    assert got["refill_coverage"] == 1.0 and got["refill_visible_gold"] == [1]
+    got = refill_recall(tok, prepared, cache, selected=[0, 2])
+    assert got["refill_visible_gold"] == [0, 1]
+    got = refill_recall(tok, prepared, cache, selected=[1, 3])  # the asked needle missed, a look-alike back
+    assert got["refill_coverage"] == 0.0 and got["refill_visible_gold"] == [2]
+    half = torch.zeros(38, dtype=torch.bool)
+    half[22:26] = True
+    half[34:36] = True  # half of needle 2 is not "visible whole"
+    assert refill_recall(tok, prepared, cache, selected=half)["refill_visible_gold"] == [1]
+
+
 def test_coverage_counts_evidence_tokens_and_the_split_reads_rows_as_recall_times_answered():
     from types import SimpleNamespace
 

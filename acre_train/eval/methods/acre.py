@@ -142,11 +142,12 @@ class Acre(EvalMethod):
                             output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits, extra=extra)
 
 
-def evidence_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int, int]]:
+def evidence_token_ranges(tokenizer, example: PreparedExample,
+                          gold: list[tuple[int, int] | None] | None = None) -> list[tuple[int, int]]:
     """Token ranges (prompt coordinates) of the evidence the question needs: the needles whose text
     holds a gold answer (context tasks), or in each gold document the sentence that holds the first
     occurrence of an answer (document tasks such as SQuAD; the whole gold document when no answer
-    string occurs in it)."""
+    string occurs in it). ``gold``: :func:`gold_token_ranges`, when the caller has it already."""
     ex = example.example
     base = len(example.prefix_ids)
     if ex.documents is not None:
@@ -156,11 +157,27 @@ def evidence_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int
                 out.extend(_answer_sentence_tokens(tokenizer, document_text(i, ex.documents[i]), ex.answers, pos, len(d)))
             pos += len(d)
         return out
-    spans = [(a, b) for a, b in (ex.gold_spans or []) if any(ans in ex.context[a:b] for ans in ex.answers)]
-    if not spans:
+    holding = [any(ans in ex.context[a:b] for ans in ex.answers) for a, b in (ex.gold_spans or [])]
+    if not any(holding):
         return []
-    enc = tokenizer(ex.context, add_special_tokens=False, return_offsets_mapping=True)
-    return [(base + a, base + b) for a, b in _token_span(enc["offset_mapping"], spans)]
+    gold = gold_token_ranges(tokenizer, example) if gold is None else gold
+    return [r for r, keep in zip(gold, holding) if keep and r is not None]
+
+
+def gold_token_ranges(tokenizer, example: PreparedExample) -> list[tuple[int, int] | None]:
+    """Token ranges (prompt coordinates) of every gold span of a context task, in ``gold_spans`` order: the
+    evidence and the spans that only look like it (a multikey context's other needles). None where a span
+    covers no token; [] for document tasks and contexts without gold spans."""
+    ex = example.example
+    if ex.documents is not None or not ex.gold_spans:
+        return []
+    base = len(example.prefix_ids)
+    offsets = tokenizer(ex.context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    out: list[tuple[int, int] | None] = []
+    for span in ex.gold_spans:
+        hit = _token_span(offsets, [span])
+        out.append((base + hit[0][0], base + hit[0][1]) if hit else None)
+    return out
 
 
 def answer_sentence(text: str, answers: list[str]) -> tuple[int, int] | None:
@@ -199,8 +216,29 @@ def _answer_sentence_tokens(tokenizer, text: str, answers: list[str], pos: int, 
 
 
 def refill_recall(tokenizer, example: PreparedExample, cache, selected, scores=None) -> dict[str, Any]:
-    """Did refilling bring the evidence back? See :func:`evidence_visibility`."""
-    return evidence_visibility(evidence_token_ranges(tokenizer, example), cache, selected, scores)
+    """Did refilling bring the evidence back? See :func:`evidence_visibility`.
+
+    Context tasks with gold spans also get ``refill_visible_gold``: the indices (``gold_spans`` order) of
+    the gold spans visible whole, the evidence and its look-alikes (a multikey context's other needles),
+    so that a wrong answer can be traced to a look-alike the refill brought back, or not."""
+    gold = gold_token_ranges(tokenizer, example)
+    out = evidence_visibility(evidence_token_ranges(tokenizer, example, gold), cache, selected, scores)
+    if gold and out["refill_recall"] is not None:
+        seen = visible_tokens(cache, selected)
+        out["refill_visible_gold"] = [i for i, r in enumerate(gold) if r is not None and bool(seen[r[0]:r[1]].all())]
+    return out
+
+
+def visible_tokens(cache, selected) -> torch.Tensor:
+    """``[num_context_tokens]`` bool: the context tokens a question sees after refilling ``selected`` (span
+    indices, or a refilled-token mask as ``Answer.refilled``); pending raw tokens and the tail always."""
+    from ...modeling.scorers import span_tokens
+
+    tokens = selected if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool else \
+        span_tokens(cache.span_bounds, list(selected))
+    seen = torch.ones(cache.num_context_tokens, dtype=torch.bool)
+    seen[: len(tokens)] = tokens
+    return seen
 
 
 def evidence_visibility(evidence: list[tuple[int, int]], cache, selected, scores=None) -> dict[str, Any]:
@@ -217,15 +255,9 @@ def evidence_visibility(evidence: list[tuple[int, int]], cache, selected, scores
     """
     if not evidence:
         return {"refill_recall": None, "refill_coverage": None, "refill_visible_share": None, "refill_rank": None}
-    from ...modeling.scorers import span_tokens
-
     bounds = cache.span_bounds.tolist()
     n_ctx = cache.num_context_tokens
-    tokens = selected if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool else \
-        span_tokens(cache.span_bounds, list(selected))
-    # Pending raw tokens (after the last span, before the tail) are always refilled, like the tail.
-    seen = torch.ones(n_ctx, dtype=torch.bool)
-    seen[: len(tokens)] = tokens
+    seen = visible_tokens(cache, selected)
     hits = sum(bool(seen[a:b].any()) for a, b in evidence)
     tokens = sum(b - a for a, b in evidence)
     coverage = sum(int(seen[a:b].sum()) for a, b in evidence) / max(1, tokens)
