@@ -12,7 +12,8 @@ context (with its distance in tokens from the asked needle), a number that is in
 copy), or no number at all. The first class is a key-value binding error with both needles readable;
 the others are copying errors. Cells evaluated since the sixteenth session record which needles each
 question saw whole (``refill_visible_gold``); for them ``that_needle`` counts whether the needle whose
-value was given had been refilled too, or came from the L1 memory.
+value was given had been refilled too, or came from the L1 memory. ``given_needle_lies`` counts whether
+that needle comes after the asked one in the text (nearer the question) or before it.
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ def cell_confusions(cell: Path, tokenizer) -> dict:
     refilled = [r for r in acre.values() if r.get("refill_coverage") == 1.0]
     wrong = [r for r in refilled if r["score"] < 1]
     kinds: Counter[str] = Counter()
-    distances, seen = [], Counter()
+    distances, seen, side = [], Counter(), Counter()
     for r in wrong:
         e = examples[r["id"]]
         kind, distance = classify(r["prediction"], e.context, e.answers[0], tokenizer)
         kinds[kind] += 1
         if distance is not None:
             distances.append(distance)
+            given = re.findall(r"\d{5,}", r["prediction"])[0]
+            side["after the asked one" if e.context.find(given) > e.context.find(e.answers[0]) else "before it"] += 1
             if "refill_visible_gold" in r:  # recorded since the sixteenth session
                 other = next(i for i, (a, b) in enumerate(e.gold_spans) if re.findall(r"\d{5,}", r["prediction"])[0]
                              in e.context[a:b])
@@ -74,7 +77,7 @@ def cell_confusions(cell: Path, tokenizer) -> dict:
     return {"cell": str(cell), "refilled_whole": len(refilled), "wrong": len(wrong), "classes": dict(kinds),
             "median_distance_tokens": statistics.median(distances) if distances else None,
             "min_distance_tokens": min(distances) if distances else None,
-            "that_needle": dict(seen) or None}
+            "that_needle": dict(seen) or None, "given_needle_lies": dict(side) or None}
 
 
 def main(argv: list[str] | None = None) -> int:
