@@ -35,7 +35,8 @@ QUESTIONS_PER_CONTEXT = 4  # as the study's cells (run.CELLS) ask niah_multikey
 
 
 def classify(prediction: str, context: str, asked: str, tokenizer) -> tuple[str, int | None]:
-    """(class, token distance from the asked needle's value to the predicted one, when it is another needle's)."""
+    """(class, token distance from the asked needle's value to the predicted one, when it is another needle's;
+    negative when the predicted needle comes first in the text, positive when it lies nearer the question)."""
     numbers = re.findall(r"\d{5,}", prediction)
     if not numbers:
         return "no number", None
@@ -43,8 +44,10 @@ def classify(prediction: str, context: str, asked: str, tokenizer) -> tuple[str,
     wrong = numbers[0]
     if wrong not in needles or wrong == asked:
         return "a number in no needle", None
-    a, b = sorted((context.find(asked), context.find(wrong)))
-    return "another needle's value", len(tokenizer(context[a:b], add_special_tokens=False)["input_ids"])
+    asked_at, given_at = context.find(asked), context.find(wrong)
+    a, b = sorted((asked_at, given_at))
+    tokens = len(tokenizer(context[a:b], add_special_tokens=False)["input_ids"])
+    return "another needle's value", tokens if given_at > asked_at else -tokens
 
 
 def cell_confusions(cell: Path, tokenizer) -> dict:
@@ -67,12 +70,11 @@ def cell_confusions(cell: Path, tokenizer) -> dict:
         kind, distance = classify(r["prediction"], e.context, e.answers[0], tokenizer)
         kinds[kind] += 1
         if distance is not None:
-            distances.append(distance)
-            given = re.findall(r"\d{5,}", r["prediction"])[0]
-            side["after the asked one" if e.context.find(given) > e.context.find(e.answers[0]) else "before it"] += 1
+            distances.append(abs(distance))
+            side["after the asked one" if distance > 0 else "before it"] += 1
             if "refill_visible_gold" in r:  # recorded since the sixteenth session
-                other = next(i for i, (a, b) in enumerate(e.gold_spans) if re.findall(r"\d{5,}", r["prediction"])[0]
-                             in e.context[a:b])
+                given = re.findall(r"\d{5,}", r["prediction"])[0]
+                other = next(i for i, (a, b) in enumerate(e.gold_spans) if given in e.context[a:b])
                 seen["refilled" if other in r["refill_visible_gold"] else "not refilled"] += 1
     return {"cell": str(cell), "refilled_whole": len(refilled), "wrong": len(wrong), "classes": dict(kinds),
             "median_distance_tokens": statistics.median(distances) if distances else None,

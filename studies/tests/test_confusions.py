@@ -23,9 +23,11 @@ CONTEXT = ("Grass is green. One of the special magic numbers for jolly-cedar is:
 
 def test_another_needles_value_with_its_distance():
     kind, distance = classify("The number is 5374386.", CONTEXT, "9343606", WordTokenizer())
+    between = len("9343606. The sky is blue and so is the sea. One of the special magic numbers for "
+                  "gentle-river is:".split())
     assert kind == "another needle's value"
-    assert distance == len("9343606. The sky is blue and so is the sea. One of the special magic numbers for "
-                           "gentle-river is:".split())
+    assert distance == between  # positive: the given needle lies after the asked one, nearer the question
+    assert classify("It is 9343606.", CONTEXT, "5374386", WordTokenizer()) == ("another needle's value", -between)
 
 
 def test_a_garbled_copy_and_no_number():
