@@ -222,9 +222,9 @@ def refill_recall(tokenizer, example: PreparedExample, cache, selected, scores=N
     the gold spans visible whole, the evidence and its look-alikes (a multikey context's other needles),
     so that a wrong answer can be traced to a look-alike the refill brought back, or not."""
     gold = gold_token_ranges(tokenizer, example)
-    out = evidence_visibility(evidence_token_ranges(tokenizer, example, gold), cache, selected, scores)
+    seen = visible_tokens(cache, selected)
+    out = evidence_visibility(evidence_token_ranges(tokenizer, example, gold), cache, selected, scores, seen=seen)
     if gold and out["refill_recall"] is not None:
-        seen = visible_tokens(cache, selected)
         out["refill_visible_gold"] = [i for i, r in enumerate(gold) if r is not None and bool(seen[r[0]:r[1]].all())]
     return out
 
@@ -241,7 +241,8 @@ def visible_tokens(cache, selected) -> torch.Tensor:
     return seen
 
 
-def evidence_visibility(evidence: list[tuple[int, int]], cache, selected, scores=None) -> dict[str, Any]:
+def evidence_visibility(evidence: list[tuple[int, int]], cache, selected, scores=None,
+                        seen: torch.Tensor | None = None) -> dict[str, Any]:
     """How much of the ``evidence`` (token ranges of the context) a question saw after refilling.
 
     ``selected``: the refilled spans (L1 entry indices), or the refilled tokens (``[N_closed]`` bool, as
@@ -252,12 +253,13 @@ def evidence_visibility(evidence: list[tuple[int, int]], cache, selected, scores
     ``refill_visible_share``: share of the context visible (what a random choice of the same number
     of spans would reach on average); ``refill_rank``: where the best-scored span holding evidence
     ranked among all spans (1 = first; None without scores or when no finished span holds evidence).
+    ``seen``: :func:`visible_tokens` of ``selected``, when the caller has it already.
     """
     if not evidence:
         return {"refill_recall": None, "refill_coverage": None, "refill_visible_share": None, "refill_rank": None}
     bounds = cache.span_bounds.tolist()
     n_ctx = cache.num_context_tokens
-    seen = visible_tokens(cache, selected)
+    seen = visible_tokens(cache, selected) if seen is None else seen
     hits = sum(bool(seen[a:b].any()) for a, b in evidence)
     tokens = sum(b - a for a, b in evidence)
     coverage = sum(int(seen[a:b].sum()) for a, b in evidence) / max(1, tokens)
