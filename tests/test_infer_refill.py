@@ -111,9 +111,11 @@ def test_one_chunk_context_refill_all_equals_single_chunk_forward(arch, n):
     assert answer.token_ids == tokens
 
 
+@pytest.mark.parametrize("positions", ["compact", "text"])
 @pytest.mark.parametrize("selected", ["all", "some", "none"])
-def test_refill_rebuilds_the_nested_cache_in_order(selected):
-    """Spans go right before their L1 entry, pending tokens last, positions contiguous from 0."""
+def test_refill_rebuilds_the_nested_cache_in_order(selected, positions):
+    """Spans go right before their L1 entry, pending tokens last; rotated at positions contiguous from 0,
+    or (``text``) at each token's index in the interleaved context, the open chunk after all of it."""
     model = _model("qwen2")
     # 16 and 11 are not multiples of 5: spans cross chunk boundaries and 3 tokens stay pending.
     settings = CacheSettings(first_chunk=16, stride=11, interval=5)
@@ -124,11 +126,13 @@ def test_refill_rebuilds_the_nested_cache_in_order(selected):
     assert cache.tail_ids == ctx[38:] and cache.num_pending == 3 and cache.num_l1 == 7
     m = cache.num_l1
     chosen = {"all": set(range(m)), "some": {1, 4, m - 1}, "none": set()}[selected]
-    refilled = assemble(model, cache, torch.tensor(sorted(chosen), dtype=torch.long))
+    refilled = assemble(model, cache, torch.tensor(sorted(chosen), dtype=torch.long), positions)
     order = _expected_order(plan, finished, chosen)
+    rotation = range(len(order)) if positions == "compact" else order
+    assert refilled.next_position == (len(order) if positions == "compact" else finished)
     kv = _captured_kv(model, plan)
     for layer, (key, value) in kv.items():
-        expected_k = _rope(key[:, order], range(len(order)), _theta(model))
+        expected_k = _rope(key[:, order], rotation, _theta(model))
         torch.testing.assert_close(refilled.keys[layer], expected_k, atol=ATOL, rtol=0)
         torch.testing.assert_close(refilled.values[layer], value[:, order], atol=ATOL, rtol=0)
 
@@ -184,6 +188,44 @@ def test_no_refill_equals_the_plain_acre_plan():
     plan = interleave(ctx + q, first_chunk=16, stride=8, intervals=4)
     ref = _full_run(model, plan).logits[0, _last_raw(plan)]
     torch.testing.assert_close(answer.first_logits, ref, atol=ATOL, rtol=0)
+
+
+def test_text_positions_answer_as_the_context_read_at_its_own_positions():
+    """positions=text: the question and the decoded tokens run at their indices in the whole context, over the
+    refilled tokens rotated at theirs (written out here from a full run of the plan), and differ from compact."""
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=12, interval=4)
+    ctx, q = _ids(44, 31), _ids(3, 32)  # chunks 16 + 12 + 12; the open chunk (4 tail + 3 + 3 new) stays one chunk
+    refill = BIG.replace(max_new_tokens=3, positions="text")
+    engine = AcreEngine(model, cache_settings=settings, refill=refill)
+    cache = engine.build(ctx)
+    chosen = {1, 4, 7}
+    answer = engine.answer(cache, q, selected=sorted(chosen))
+    compact = engine.answer(cache, q, selected=sorted(chosen), positions="compact")
+    assert not torch.allclose(answer.first_logits, compact.first_logits, atol=1e-3)
+
+    def reference(raw: list[int]) -> torch.Tensor:
+        plan = interleave(raw, first_chunk=16, stride=12, intervals=4)
+        finished = int((plan.chunk_ids < 3).sum())
+        assert int(plan.chunk_ids[-1]) == 3  # the question and the new tokens stay in the open chunk
+        order = _expected_order(plan, finished, chosen)
+        kv = _captured_kv(model, plan)
+        prefix = {layer: (_rope(k[:, order], order, _theta(model))[None], v[:, order][None]) for layer, (k, v) in kv.items()}
+        rows = slice(finished, len(plan))
+        positions = torch.arange(finished, len(plan))[None]
+        is_l1 = torch.as_tensor(plan.is_l1[rows])[None]
+        with torch.no_grad():
+            out = acre_forward(model, input_ids=torch.as_tensor(plan.input_ids[rows])[None], is_l1=is_l1,
+                               chunk_ids=torch.zeros_like(positions), positions=positions,
+                               memory_positions=torch.where(is_l1, positions, -1), kernel="chunked",
+                               prefix=prefix.__getitem__, return_logits=True)
+        return out.logits[0, int(np.nonzero(~plan.is_l1[rows])[0][-1])]
+
+    torch.testing.assert_close(answer.first_logits, reference(ctx + q), atol=ATOL, rtol=0)
+    tokens: list[int] = []
+    for _ in range(len(answer.token_ids)):
+        tokens.append(int(reference(ctx + q + tokens).argmax()))
+    assert answer.token_ids == tokens
 
 
 def test_attention_backends_give_the_same_answer():

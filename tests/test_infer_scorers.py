@@ -283,7 +283,8 @@ def test_the_engine_grows_the_reference_tokens_and_reports_them(shape):
 @pytest.mark.parametrize("kw,message", [({"scorer": "l1:layers=-1", "grow": 2}, "l2 scorer"),
                                         ({"scorer": "l2:layers=1", "grow": 1, "neighbors": True}, "not both"),
                                         ({"scorer": "l2:layers=1", "grow": -1}, ">= 0"),
-                                        ({"scorer": "l2:layers=1", "grow": 2, "grow_shape": "round"}, "grow_shape")])
+                                        ({"scorer": "l2:layers=1", "grow": 2, "grow_shape": "round"}, "grow_shape"),
+                                        ({"positions": "gapped"}, "positions must be one of compact, text")])
 def test_a_selection_that_cannot_be_made_is_refused_in_one_line(kw, message):
     with pytest.raises(ValueError, match=message):
         RefillSettings(**kw)

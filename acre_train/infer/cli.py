@@ -38,6 +38,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grow-shape", default=None, choices=("attention", "centered"),
                    help="how --grow regions take their tokens: toward the most-attended neighbour (attention), or "
                         "k*l/N tokens centred on each seed (centered); default: the export's, else attention")
+    g.add_argument("--positions", default=None, choices=("compact", "text"),
+                   help="where the refilled cache is rotated: contiguous from 0 (compact, the layout stage 2 trains "
+                        "in) or at each token's place in the context (text: refilled spans keep their distances, "
+                        "the context must fit the base's window); default: the export's, else compact")
     g.add_argument("--close-tail", action=argparse.BooleanOptionalAction, default=None,
                    help="run the context's unfinished last chunk once when the cache is built (a question then runs "
                         "only its own tokens; the tail attends to the L1 memory, not the refilled spans). "
@@ -68,7 +72,7 @@ def make_engine(args: argparse.Namespace):
         print(f"placed by the device map: {describe(model.hf_device_map)}")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
                                                 "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers", "scorer",
-                                                "neighbors", "grow", "grow_shape")}
+                                                "neighbors", "grow", "grow_shape", "positions")}
     cache_settings, refill = inference_settings(data, overrides)
     stored = bool(((data.get("acre") or {}).get("inference") or {}).get("close_tail", False))
     close_tail = stored if args.close_tail is None else bool(args.close_tail)

@@ -61,16 +61,18 @@ class _KV:
     """Per-layer KV (rotated keys, values) of the refilled cache + the open chunk, grown in place.
 
     Preallocated to ``capacity`` tokens so that decoding appends without copying the whole cache
-    every step; ``prefix`` hands out views of the filled part.
+    every step; ``prefix`` hands out views of the filled part. ``position``: where the next token is
+    rotated (the cache's length, unless the refill kept text positions).
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, position: int | None = None):
         layers, heads, length, dim = keys.shape
         self.keys = keys.new_empty(layers, heads, max(capacity, length), dim)
         self.values = values.new_empty(layers, heads, max(capacity, length), dim)
         self.keys[:, :, :length] = keys
         self.values[:, :, :length] = values
         self.length = length
+        self.position = length if position is None else position
 
     def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer, None, :, : self.length], self.values[layer, None, :, : self.length]
@@ -85,6 +87,7 @@ class _KV:
             self.keys[layer, :, self.length : self.length + added] = k
             self.values[layer, :, self.length : self.length + added] = v
         self.length += added
+        self.position += added
 
 
 class AcreEngine:
@@ -184,17 +187,17 @@ class AcreEngine:
         timings["score_s"] = time.perf_counter() - tic
 
         tic = time.perf_counter()
-        refilled = assemble(self.model, cache, refill_tokens)
+        refilled = assemble(self.model, cache, refill_tokens, settings.positions)
         timings["refill_s"] = time.perf_counter() - tic
-        self._check_room(refilled.length, len(plan), settings.max_new_tokens)
+        self._check_room(refilled.next_position, len(plan), settings.max_new_tokens)
 
         tic = time.perf_counter()
         interval = self.cache_settings.interval
         capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
-        kv = _KV(refilled.keys, refilled.values, capacity)
+        kv = _KV(refilled.keys, refilled.values, capacity, position=refilled.next_position)
         if cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
             rope = Rope.of(self.model)
-            kv.extend({layer: (rope.rotate(cache.tail_keys[layer], torch.arange(kv.length, kv.length + cache.tail_keys.shape[2])),
+            kv.extend({layer: (rope.rotate(cache.tail_keys[layer], torch.arange(kv.position, kv.position + cache.tail_keys.shape[2])),
                                cache.tail_values[layer]) for layer in range(cache.tail_keys.shape[0])})
             plan = self._question_plan(cache, q_ids)
         first_logits = self._prefill(kv, plan)
@@ -310,7 +313,7 @@ class AcreEngine:
 
     def _run_and_extend(self, kv: _KV, plan) -> torch.Tensor:
         """Run ``plan`` after ``kv``, append its KV (rotated at its positions), return the hidden states."""
-        offset = kv.length
+        offset = kv.position
         new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         rope = Rope.of(self.model)
         cos, sin = rope.cos_sin(torch.as_tensor(plan.positions) + offset, kv.keys.dtype)  # once, not per layer
@@ -346,6 +349,7 @@ class AcreEngine:
                       temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
 
     def _check_room(self, cache_length: int, query_length: int, max_new: int) -> None:
+        """``cache_length``: the position the open chunk starts at."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
         interval = self.cache_settings.interval
         needed = cache_length + query_length + max_new + max_new // interval + 1

@@ -33,13 +33,25 @@ def select_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     return select_spans(scores, k)
 
 
+# Where the refilled cache is rotated. ``compact``: slots 0..P-1 (DESIGN.md §5, the layout stage 2 trains in).
+# ``text``: every token at its index in the whole interleaved context, so refilled spans keep the distances
+# they have in the text (full attention's), and the open chunk continues after the whole context. It gives
+# up ACRE's positional compression: the context must fit the base's native window.
+POSITIONS = ("compact", "text")
+
+
 @dataclass
 class Assembled:
-    """The refilled cache, ready to serve as a KV prefix (rotated at ``0..P-1``)."""
+    """The refilled cache, ready to serve as a KV prefix (rotated at ``0..P-1``, or at text positions)."""
 
     keys: torch.Tensor  # [L, H_kv, P, D], rotated
     values: torch.Tensor  # [L, H_kv, P, D]
     num_refilled: int  # raw tokens inserted (selected spans + pending)
+    next_position: int = -1  # where the open chunk starts (-1: right after the cache, P)
+
+    def __post_init__(self) -> None:
+        if self.next_position < 0:
+            self.next_position = self.length
 
     @property
     def length(self) -> int:
@@ -68,12 +80,28 @@ def refill_layout(cache: BiLayerCache, selected: torch.Tensor) -> tuple[np.ndarr
     return l2_index, np.concatenate([l2_slots, end + np.arange(len(pending))]).astype(np.int64), l1_slots.astype(np.int64)
 
 
-def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor) -> Assembled:
+def text_positions(cache: BiLayerCache, l2_index: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(l2_positions, l1_positions, next)``: each token's index in the whole interleaved context.
+
+    A raw token ``r`` of span ``s`` follows ``r`` raw tokens and the ``s`` L1 entries before it (pending
+    tokens follow all ``m``); L1 entry ``j`` follows its span's last raw token. ``next``: where the raw
+    tail begins.
+    """
+    bounds = cache.span_bounds.numpy()
+    m = cache.num_l1
+    owner = np.searchsorted(bounds[1:], l2_index, side="right")  # the span of each token, m when pending
+    return l2_index + owner, bounds[1:] + np.arange(m), int(cache.num_l2) + m
+
+
+def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor, positions: str = "compact") -> Assembled:
     """Refill the selected spans (or tokens: see :func:`refill_layout`) next to their L1 entries and rotate
-    everything at ``0..P-1``.
+    everything at ``0..P-1`` (``positions="text"``: at their indices in the interleaved context, see
+    :data:`POSITIONS`).
 
     Only the selected L2 tokens travel from CPU to the device.
     """
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
     l2_index, l2_slots, l1_slots = refill_layout(cache, selected)
     device = cache.l1_keys.device
     layers, kv_heads, _, dim = cache.l1_keys.shape
@@ -88,4 +116,11 @@ def assemble(model: nn.Module, cache: BiLayerCache, selected: torch.Tensor) -> A
         slots = torch.as_tensor(l2_slots, device=device)
         keys[:, :, slots] = cache.l2_keys.index_select(2, index).to(device, keys.dtype)
         values[:, :, slots] = cache.l2_values.index_select(2, index).to(device, values.dtype)
-    return Assembled(keys=Rope.of(model).rotate(keys, torch.arange(total)), values=values, num_refilled=len(l2_index))
+    rotation, next_position = torch.arange(total), total
+    if positions == "text":
+        l2_pos, l1_pos, next_position = text_positions(cache, l2_index)
+        rotation = torch.empty(total, dtype=torch.long)
+        rotation[torch.as_tensor(l1_slots)] = torch.as_tensor(l1_pos, dtype=torch.long)
+        rotation[torch.as_tensor(l2_slots)] = torch.as_tensor(l2_pos, dtype=torch.long)
+    return Assembled(keys=Rope.of(model).rotate(keys, rotation), values=values, num_refilled=len(l2_index),
+                     next_position=next_position)

@@ -46,6 +46,9 @@ class RefillSettings:
     (``modeling/scorers.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
     ``grow_shape``: ``attention`` (grow toward the most-attended neighbouring token) or ``centered``
     (each seed brings ``k * l / grow`` tokens centred on it).
+    ``positions``: ``compact`` rotates the refilled cache at ``0..P-1`` (DESIGN.md §5); ``text`` at each
+    token's index in the whole context, so refilled spans keep their distances in the text (the context
+    must then fit the base's native window; ``infer/refill.py:POSITIONS``).
     """
 
     working_window: int = DEFAULT_WORKING_WINDOW
@@ -54,6 +57,7 @@ class RefillSettings:
     neighbors: bool = False
     grow: int = 0
     grow_shape: str = "attention"
+    positions: str = "compact"
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -66,19 +70,24 @@ class RefillSettings:
             raise ValueError("working_window must be >= 1 and max_refill >= 0")
         object.__setattr__(self, "scorer", ScorerSettings.parse(self.scorer))
         check_selection(self.scorer, self.neighbors, self.grow, self.grow_shape)
+        from .refill import POSITIONS
+
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
 
     def describe_selection(self) -> str:
         """The scorer and the selection rule, as tables and logs print them: ``l2:layers=3 +grow=2``."""
-        return self.scorer.describe() + selection_suffix(self.neighbors, self.grow, self.grow_shape)
+        return (self.scorer.describe() + selection_suffix(self.neighbors, self.grow, self.grow_shape)
+                + ("" if self.positions == "compact" else f" @{self.positions}"))
 
     def replace(self, **changes: Any) -> "RefillSettings":
         return RefillSettings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
 
 # What an export's ``acre.inference`` stores about the refill besides the geometry (``calibrate`` writes them).
-SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape")
+SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions")
 
 
 def selection_suffix(neighbors: bool, grow: int, grow_shape: str = "attention") -> str:
@@ -124,7 +133,7 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
 
     ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
     carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``), ``scorer`` (a spec
-    string or mapping), ``scoring_layers`` (replaces the scorer's layers), ``neighbors``, ``grow`` and ``grow_shape``. The
+    string or mapping), ``scoring_layers`` (replaces the scorer's layers), ``neighbors``, ``grow``, ``grow_shape`` and ``positions``. The
     export's ``inference.scorer`` / ``neighbors`` / ``grow`` / ``grow_shape`` (written by ``acre-train
     calibrate``) come first.
 
@@ -147,5 +156,7 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
         scorer = replace_(scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
     neighbors, grow = pick_selection(stored, overrides.get("neighbors"), overrides.get("grow"))
     grow_shape = overrides.get("grow_shape") or stored.get("grow_shape") or "attention"
+    positions = overrides.get("positions") or stored.get("positions") or "compact"
     return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill,
-                                 scorer=scorer, neighbors=neighbors, grow=grow, grow_shape=grow_shape, **extra)
+                                 scorer=scorer, neighbors=neighbors, grow=grow, grow_shape=grow_shape,
+                                 positions=positions, **extra)

@@ -12,6 +12,9 @@ inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``
 ``close_tail=1`` runs the context's raw tail once at build time (it then attends to the L1 memory,
 not to the refilled spans) so that a question runs only its own tokens.
 
+``positions=text`` rotates the refilled cache at each token's index in the context instead of at
+``0..P-1`` (refilled spans keep their distances in the text; ``infer/refill.py:POSITIONS``).
+
 The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``, ``grow``,
 ``grow_shape``;
 modeling/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
@@ -57,6 +60,7 @@ class Acre(EvalMethod):
     grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
     grow_shape: str = ""  # attention | centered ("": the export's)
     close_tail: int = 0  # 1: the raw tail runs once at build time (AcreEngine(close_tail=True))
+    positions: str = ""  # compact | text: where the refilled cache is rotated ("": the export's)
 
     def check(self) -> None:
         for key in ("first_chunk", "stride", "interval", "working_window"):
@@ -69,6 +73,10 @@ class Acre(EvalMethod):
 
         if self.grow_shape and self.grow_shape not in GROW_SHAPES:
             raise ValueError(f"grow_shape must be one of {', '.join(GROW_SHAPES)}, got {self.grow_shape!r}")
+        from ...infer.refill import POSITIONS
+
+        if self.positions and self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
 
     def scorer_settings(self, stored):
         """The row's scorer: ``scorer=`` starts afresh, other options change ``stored`` (the export's)."""
@@ -114,7 +122,8 @@ class Acre(EvalMethod):
                                          bool(self.neighbors) if self.neighbors >= 0 else None,
                                          self.grow if self.grow >= 0 else None)
         refill = refill.replace(scorer=self.scorer_settings(refill.scorer), neighbors=neighbors, grow=grow,
-                                grow_shape=self.grow_shape or refill.grow_shape)
+                                grow_shape=self.grow_shape or refill.grow_shape,
+                                positions=self.positions or refill.positions)
         engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=bool(self.close_tail))
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
