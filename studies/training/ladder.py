@@ -16,7 +16,8 @@ projections; ``stage1-long``: stage 1, 120 steps; ``stage1-distill``: stage 1 di
 ``stage2-sim-long``: stage 1+2 in the refilled layout, 120 + 120 steps; ``stage2-sim-distill``: the same
 plus half the loss a KL to the frozen base) seed by seed (a finished seed is kept, so a session that ends
 mid-cell resumes) with the plain stage 1+2 row's calibrated scorer, and writes, per row, the cell and its
-paired comparison with that row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. ``LENGTH/TASK@SWEEP``
+paired comparison with that row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. ``ROW.text`` answers with the row's weights and
+setting but the refilled cache rotated at text positions (``positions=text``). ``LENGTH/TASK@SWEEP``
 answers instead with a grown-refill sweep's committed calibration (``@centered``: the calibrated centred
 regions of docs/real-base/scorer/centered/, the best setting at 4K and 8K multikey), pairs with that sweep's
 own cell and writes to docs/real-base/training/ladder/SWEEP/LENGTH/TASK/ROW/. Where the reference cell has
@@ -46,6 +47,8 @@ ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/s
             # stage2-sim-long plus half the loss a KL to the frozen base (sim.py --row stage2-sim-distill copies it here)
             "stage2-sim-distill": REPO / "studies/adapters/stage2-sim-distill-lora-step120+120.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
+# ``ROW.VARIANT``: the row's weights answering with one inference option changed (same setting otherwise).
+VARIANTS = {"text": ("positions=text", "text positions")}
 DEFAULT_CELLS = "2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long"
 
 
@@ -69,7 +72,7 @@ def parse_cells(spec: str) -> list[tuple[int, str, str | None, list[str]]]:
         where, _, sweep = where.partition("@")
         length, task = where.split("/")
         chosen = rows.split("+") if rows else list(ROWS)
-        unknown = [r for r in chosen if r not in ROWS]
+        unknown = [r for r in chosen if split_row(r)[0] not in ROWS or split_row(r)[1] not in ("", *VARIANTS)]
         if unknown:
             raise SystemExit(f"cell {part!r}: unknown row(s) {unknown}; rows are {list(ROWS)}")
         if sweep and not (DOCS / "scorer" / sweep / where / "calibration.json").is_file():
@@ -83,6 +86,19 @@ LABELS = {"stage0": "stage 0 (untrained L1)", "stage1-long": "stage 1 (120 steps
           "stage1-distill": "stage 1 distilled (60 steps)", "stage2-long": "stage 1+2 plain (120 + 120)",
           "stage2-sim-long": "stage 1+2 refill-simulated (120 + 120)",
           "stage2-sim-distill": "stage 1+2 refill-simulated + distilled (120 + 120)"}
+LABELS.update({f"{row}.{v}": f"{label}, {text}" for v, (_, text) in VARIANTS.items() for row, label in list(LABELS.items())})
+
+
+def split_row(row: str) -> tuple[str, str]:
+    """``stage2-sim-long.text`` -> (``stage2-sim-long``, ``text``); a plain row has no variant."""
+    name, _, variant = row.partition(".")
+    return name, variant
+
+
+def row_method(method: str, row: str) -> str:
+    """The harness method a (variant) row answers with: the cell's setting plus the variant's option."""
+    variant = split_row(row)[1]
+    return f"{method}:{VARIANTS[variant][0]}" if variant else method
 
 
 def reference(root: Path, length: int, task: str, sweep: str | None) -> tuple[str, Path, str]:
@@ -113,12 +129,12 @@ def committed_rows(length: int, task: str, sweep: str | None = None) -> list[tup
             candidates.append((label, ref_folder, "acre"))
         if sweep is None and row == "stage2-sim-long":  # the row's first cell, from sim.py
             candidates.append((label, DOCS / "training" / f"{length}/{task}", method))
-        candidates.append((label, cell / row, method))
+        candidates.append((label, cell / row, row_method(method, row)))
     seen, out = set(), []
-    for label, folder, row_method in candidates:
+    for label, folder, answered_with in candidates:
         if label not in seen and (folder / "predictions.jsonl").is_file():
             seen.add(label)
-            out.append((label, folder, row_method))
+            out.append((label, folder, answered_with))
     return out
 
 
@@ -217,17 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     for length, task, sweep, rows in cells:
         setting, ref_folder, _ = reference(root, length, task, sweep)
         for row in rows:
-            if row not in exported:
-                raise SystemExit(f"row {row}: its adapter {ADAPTERS[row]} is not here yet (see ADAPTERS)")
-            export = exported[row]
+            weights = split_row(row)[0]
+            if weights not in exported:
+                raise SystemExit(f"row {row}: its adapter {ADAPTERS[weights]} is not here yet (see ADAPTERS)")
+            export = exported[weights]
             if sweep:  # the sweep's committed choice, written into a copy of the row's export
-                export = scorer_study.with_calibration(export, root / "exports" / f"ladder-{sweep}-{length}-{task}-{row}",
+                export = scorer_study.with_calibration(export, root / "exports" / f"ladder-{sweep}-{length}-{task}-{weights}",
                                                        ref_folder / "calibration.json")
             out = ladder_dir(root / "eval" / "ladder", length, task, sweep) / row
             docs = ladder_dir(Path(args.docs), length, task, sweep) / row
-            methods = ("full," if args.full else "") + setting
-            scorer_study.evaluate(export, length, task, held, out, seeds, rows=methods, adapter=row, published=docs)
-            publish_cell(out, docs, ref_folder, setting, f"{length}/{task} {row}")
+            method = row_method(setting, row)
+            methods = ("full," if args.full else "") + method
+            scorer_study.evaluate(export, length, task, held, out, seeds, rows=methods, adapter=weights, published=docs)
+            publish_cell(out, docs, ref_folder, method, f"{length}/{task} {row}")
     return 0
 
 
