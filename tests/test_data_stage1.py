@@ -151,14 +151,16 @@ def test_input_without_any_sample_says_why(tmp_path):
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, corpus, monkeypatch):
-    original = datasets.Dataset.save_to_disk
+    from acre_train.data import prepare as prepare_module
 
-    def save_then_die(self, path, *args, **kwargs):
-        original(self, path, *args, **kwargs)
-        if Path(path).name.startswith(".out.partial-"):
-            raise KeyboardInterrupt("simulated interruption")
+    original = prepare_module.save_rows
 
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save_then_die)
+    def save_then_die(rows, path, *args, **kwargs):  # the rows are all written, the manifest is not
+        original(rows, path, *args, **kwargs)
+        assert Path(path).name.startswith(".out.partial-") and (Path(path) / "state.json").is_file()
+        raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(prepare_module, "save_rows", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         prepare_stage1(_settings(tmp_path, corpus))
     assert not (tmp_path / "out").exists()

@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 from .builtin import BUILTIN_TEXT_SOURCE, builtin_text
 from .errors import DataError, InputProblems
 from .output import (
-    FORMAT_VERSION, atomic_output, fingerprint, interval_histogram, length_histogram, read_manifest, reusable,
-    write_manifest,
+    FORMAT_VERSION, ROWS_FILE, atomic_output, fingerprint, interval_histogram, length_histogram, read_manifest,
+    reusable, save_rows, write_manifest,
 )
 from .readers import Record, describe_inputs, expand_inputs, read_files, read_hub_dataset
 from .settings import Stage1Settings, Stage2Settings
@@ -71,7 +71,8 @@ def prepared_state(settings: Settings) -> str:
 
 @dataclass(frozen=True)
 class Preparation:
-    """What a row builder gets: the opened tokenizer, the L1 token id, the key and a scratch folder."""
+    """What a row builder gets: the opened tokenizer, the L1 token id, the key, a scratch folder, and where
+    the rows may be written in place (``rows_file``: one Arrow file in the output being built)."""
 
     tokenizer: Any
     l1_id: int
@@ -80,6 +81,7 @@ class Preparation:
     key: str
     work: Path
     problems: InputProblems
+    rows_file: Path | None = None
 
 
 @dataclass
@@ -111,8 +113,9 @@ def prepare(settings: Settings, build_rows: RowBuilder, log: Callable[[str], Any
     problems = InputProblems(strict=settings.strict)
     with tempfile.TemporaryDirectory(prefix="acre-prep-") as work, \
             atomic_output(settings.output, overwrite=settings.overwrite) as out:
-        built = build_rows(settings, Preparation(tok, l1_id, tok_facts, inputs, key, Path(work), problems))
-        built.rows.save_to_disk(str(out))
+        built = build_rows(settings, Preparation(tok, l1_id, tok_facts, inputs, key, Path(work), problems,
+                                                 rows_file=out / ROWS_FILE))
+        save_rows(built.rows, out, key)
         manifest = build_manifest(stage, settings, built.rows, inputs, tok_facts, l1_id, problems, key, built.counts)
         write_manifest(out, {**manifest, **built.manifest})
     log(f"wrote {len(built.rows)} samples to {settings.output}{built.summary}")

@@ -8,7 +8,7 @@ sample spans (sequential, cheap: token offsets only) -> build rows with the inte
 
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import os
 from pathlib import Path
@@ -19,7 +19,7 @@ import numpy as np
 from .errors import DataError, InputProblems
 from .output import FORMAT_VERSION, dataset_from_generator, fingerprint, no_usable_record
 from .prepare import Built, Preparation, input_records, prepare
-from .rows import features, plan_row
+from .rows import features, list_array, plan_row, rows_table
 from .settings import Stage1Settings
 from .spans import Segment, iter_spans
 from .tokenizer import BatchEncoder, open_tokenizer
@@ -44,34 +44,46 @@ def iter_documents(settings: Stage1Settings, problems: InputProblems) -> Iterato
         yield {"text": text, "source": record.where, "meta": json.dumps(meta, sort_keys=True, default=str)}
 
 
-def _tokenize_batch(batch: dict[str, list], encode: BatchEncoder) -> dict[str, list]:
-    # No special tokens: spans start mid-document, a BOS per document would be noise.
-    ids = encode(batch["text"])
-    return {"input_ids": ids, "num_tokens": [len(x) for x in ids]}
+def _tokenize_batch(batch: dict[str, list], encode: BatchEncoder):
+    # No special tokens: spans start mid-document, a BOS per document would be noise. An Arrow table, not
+    # lists: datasets would convert every token id one by one (it took longer than encoding them).
+    return _tokenized_table(encode(batch["text"]), batch["source"], batch["meta"])
 
 
 def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems, work: Path):
-    """Tokenized documents, reused from the cache when inputs, fields and tokenizer match."""
+    """Tokenized documents, reused from the cache when inputs, fields and tokenizer match.
+
+    The cache is one Arrow file, written in place by the tokenizing pass (no second copy)."""
     import datasets
 
-    cache = Path(settings.cache_dir or cache_root()) / "prep" / f"tokenized-{key[:24]}"
+    cache = Path(settings.cache_dir or cache_root()) / "prep" / f"tokens-{key[:24]}"
     report = cache / "problems.json"
     if report.exists():
         saved = json.loads(report.read_text(encoding="utf-8"))
         problems.counts.update(saved["by_reason"])
         problems.examples.extend(saved["examples"])
-        return datasets.load_from_disk(str(cache / "data"))
+        return datasets.Dataset.from_file(str(cache / "tokens.arrow"))
 
-    if settings.num_proc > 1 and not _encodes_on_every_core(tokenizer):
-        docs = _tokenize_in_workers(settings, tokenizer, key, problems, work)
-    else:  # (workers would only add copies to a tokenizer that already uses every core)
-        docs = _tokenize_in_process(settings, tokenizer, problems, work / "tokenized.arrow")
     # Several preparations may fill this cache at once: leave their partial folders alone, and keep
     # whichever finished first.
     with atomic_dir(cache, f"the tokenized cache {cache}", clear_stale=False, keep_existing=True) as tmp:
-        docs.save_to_disk(str(tmp / "data"))
+        if settings.num_proc > 1 and not _encodes_on_every_core(tokenizer):
+            _write_arrow(_tokenize_in_workers(settings, tokenizer, key, problems, work), tmp / "tokens.arrow")
+        else:  # (workers would only add copies to a tokenizer that already uses every core)
+            _tokenize_in_process(settings, tokenizer, problems, tmp / "tokens.arrow")
         (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
-    return datasets.load_from_disk(str(cache / "data"))
+    return datasets.Dataset.from_file(str(cache / "tokens.arrow"))
+
+
+def _write_arrow(docs, path: Path) -> None:
+    """A dataset's table as one Arrow file (what ``Dataset.from_file`` reads)."""
+    import pyarrow as pa
+    from datasets.arrow_writer import ArrowWriter
+
+    with ArrowWriter(path=str(path), features=docs.features) as writer:
+        for batch in docs.data.to_batches():
+            writer.write_table(pa.Table.from_batches([batch]))
+        writer.finalize()
 
 
 def _encodes_on_every_core(tokenizer: Any) -> bool:
@@ -81,11 +93,10 @@ def _encodes_on_every_core(tokenizer: Any) -> bool:
 
 
 def _tokenize_in_process(settings: Stage1Settings, tokenizer: Any, problems: InputProblems, path: Path,
-                         batch_docs: int = 256):
+                         batch_docs: int = 256) -> None:
     """Read, tokenize and write Arrow in one pass, one process. A fast tokenizer's batched encode
     already uses every core (Rayon), and skipping the text column's round trip through Arrow and the
     ``map`` over it is what brings preparation close to the tokenizer's own speed."""
-    import datasets
     from datasets.arrow_writer import ArrowWriter
 
     from datasets.utils.tqdm import tqdm  # (silenced with datasets' own progress bars)
@@ -96,14 +107,13 @@ def _tokenize_in_process(settings: Stage1Settings, tokenizer: Any, problems: Inp
         for doc in tqdm(iter_documents(settings, problems), desc="tokenizing", unit=" docs"):
             batch.append(doc)
             if len(batch) == batch_docs:
-                writer.write_table(_tokenized_table(encode([d["text"] for d in batch]), batch))
+                writer.write_table(_tokenized_docs(encode, batch))
                 batch = []
         if batch:
-            writer.write_table(_tokenized_table(encode([d["text"] for d in batch]), batch))
+            writer.write_table(_tokenized_docs(encode, batch))
         written, _ = writer.finalize()
     if written == 0:
         raise DataError(no_usable_record(problems))
-    return datasets.Dataset.from_file(str(path))
 
 
 def _tokenized_features():
@@ -113,17 +123,16 @@ def _tokenized_features():
                      "source": Value("string"), "meta": Value("string")})
 
 
-def _tokenized_table(ids: list[list[int]], docs: list[dict[str, str]]):
+def _tokenized_docs(encode: BatchEncoder, docs: list[dict[str, str]]):
+    return _tokenized_table(encode([d["text"] for d in docs]), [d["source"] for d in docs], [d["meta"] for d in docs])
+
+
+def _tokenized_table(ids: list[list[int]], sources: list[str], metas: list[str]):
     """One Arrow table of a batch: the ids flattened once into a list column (no per-token Python)."""
     import pyarrow as pa
 
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(offsets[-1]))
-    return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
-                     "num_tokens": pa.array(lengths), "source": pa.array([d["source"] for d in docs], pa.string()),
-                     "meta": pa.array([d["meta"] for d in docs], pa.string())})
+    return pa.table({"input_ids": list_array(ids, pa.int32()), "num_tokens": pa.array([len(x) for x in ids], pa.int64()),
+                     "source": pa.array(sources, pa.string()), "meta": pa.array(metas, pa.string())})
 
 
 def _tokenize_in_workers(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems, work: Path):
@@ -140,7 +149,7 @@ def _tokenize_in_workers(settings: Stage1Settings, tokenizer: Any, key: str, pro
         problems=problems, fingerprint=key[:32])
     return docs.map(
         _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"encode": BatchEncoder(tokenizer)},
-        num_proc=settings.num_proc, remove_columns=["text"],
+        num_proc=settings.num_proc, features=_tokenized_features(),
         cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
     )
 
@@ -167,9 +176,8 @@ def stage1_row(sample_index: int, segments: list[Segment], fetch, sources, setti
     return row
 
 
-def _map_spans(batch: dict[str, list], docs, settings: Stage1Settings, eos_id: int, l1_id: int) -> dict[str, list]:
-    """A batch of span plans -> their stage-1 rows (batched: ``datasets`` then converts whole columns at
-    once instead of one row at a time)."""
+def _map_spans(batch: dict[str, list], docs, settings: Stage1Settings, eos_id: int, l1_id: int):
+    """A batch of span plans -> their stage-1 rows, as one Arrow table (``rows_table``)."""
     # Straight from the memory-mapped Arrow table: ``docs[i]`` would format the whole row (a document's
     # token list into Python) for each segment, which cost more than the interleaving itself.
     table = docs.data
@@ -181,12 +189,14 @@ def _map_spans(batch: dict[str, list], docs, settings: Stage1Settings, eos_id: i
     def sources(d):
         return source[int(d)].as_py(), meta[int(d)].as_py()
 
-    out: dict[str, list] = {}
-    for index, plan in zip(batch["sample_index"], batch["segments"]):
-        segments = [tuple(int(v) for v in seg) for seg in plan]
-        for key, value in stage1_row(index, segments, fetch, sources, settings, eos_id, l1_id).items():
-            out.setdefault(key, []).append(value)
-    return out
+    rows = [stage1_row(index, [tuple(int(v) for v in seg) for seg in plan], fetch, sources, settings, eos_id, l1_id)
+            for index, plan in zip(batch["sample_index"], batch["segments"])]
+    return rows_table(rows, _stage1_schema())
+
+
+@functools.lru_cache(maxsize=None)
+def _stage1_schema():
+    return features(1).arrow_schema
 
 
 def _spans(settings: Stage1Settings, lengths) -> Iterator[list[Segment]]:
@@ -221,7 +231,9 @@ def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
                               "l1_id": prep.l1_id},
         remove_columns=["segments"], features=features(1),
         num_proc=settings.num_proc if settings.num_proc > 1 else None,
-        cache_file_name=str(prep.work / "rows.arrow"), new_fingerprint=prep.key[:32], desc="interleaving",
+        # One process writes one file, straight into the output (workers write one each: those go to scratch).
+        cache_file_name=str(prep.rows_file if settings.num_proc <= 1 and prep.rows_file else prep.work / "rows.arrow"),
+        new_fingerprint=prep.key[:32], desc="interleaving",
     )
     return Built(rows, {"documents": len(lengths), "document_tokens": int(sum(lengths))})
 

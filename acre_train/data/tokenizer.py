@@ -126,8 +126,9 @@ class BatchEncoder:
     Why not the tokenizer itself: ``datasets`` pickles a map's arguments once per worker job, and a
     transformers tokenizer object pickles slowly (2.4 s for Qwen2.5's, in the parent, per job: two
     processes ran slower than one). Where the tokenizer has a Rust backend, this carries only that
-    (0.1 s) and calls its ``encode_batch`` -- the call the transformers wrapper makes -- with
-    truncation and padding off, as ``tokenizer(texts, add_special_tokens=False)`` has them.
+    (0.1 s) and calls its ``encode_batch_fast`` -- the wrapper's ``encode_batch`` without the character
+    offsets, which stage 1 never reads (the same ids, ~13 % faster on Qwen2.5's) -- with truncation and
+    padding off, as ``tokenizer(texts, add_special_tokens=False)`` has them.
 
     >>> BatchEncoder(tokenizer)(["some text", "more"])  # [[...], [...]]
     """
@@ -146,5 +147,6 @@ class BatchEncoder:
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         if self.rust is not None:
-            return [e.ids for e in self.rust.encode_batch(texts, add_special_tokens=False)]
+            encode = getattr(self.rust, "encode_batch_fast", self.rust.encode_batch)  # (tokenizers < 0.21: no fast)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
