@@ -190,7 +190,7 @@ def test_rerun_reuses_and_changed_settings_need_overwrite(tmp_path, corpus):
 @pytest.mark.slow
 def test_two_processes_give_the_same_rows(tmp_path, corpus, monkeypatch):
     # A fast tokenizer encodes while the records are read, in one process (it uses every core itself);
-    # a slow one, or a fast one told to use one core, is tokenized by datasets.map in workers. Every way
+    # a slow one, or a fast one told to use one core, is tokenized in worker processes. Every way
     # gives the same rows and manifest.
     from acre_train.data import stage1
 
@@ -200,8 +200,14 @@ def test_two_processes_give_the_same_rows(tmp_path, corpus, monkeypatch):
             self.rust, self.tokenizer = None, tokenizer  # as for a tokenizer without a Rust backend
 
     workers = []
-    real = stage1._tokenize_in_workers
-    monkeypatch.setattr(stage1, "_tokenize_in_workers", lambda *a: workers.append(a[0].output.name) or real(*a))
+    real = stage1._tokenize
+
+    def spy(settings, *args):
+        if args[-1] > 1:  # the number of worker processes
+            workers.append(settings.output.name)
+        return real(settings, *args)
+
+    monkeypatch.setattr(stage1, "_tokenize", spy)
 
     def prep(name, **over):
         return load_prepared(prepare_stage1(_settings(tmp_path, corpus, name, cache_dir=tmp_path / name / "c", **over)))

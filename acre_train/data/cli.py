@@ -28,7 +28,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--l1-token-id", type=int, default=None, help="id at L1 slots (default: the tokenizer's EOS)")
     run = p.add_argument_group("run")
-    run.add_argument("--num-proc", type=int, default=1, help="worker processes (default: %(default)s)")
+    run.add_argument("--num-proc", type=int, default=1,
+                     help="worker processes (default: %(default)s). A fast tokenizer already uses every core from one "
+                          "process; stage 1 then uses workers only to interleave")
     run.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output made differently")
     run.add_argument("--cache-dir", metavar="DIR", help="tokenization cache (default: ~/.cache/acre-train)")

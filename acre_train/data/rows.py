@@ -68,12 +68,19 @@ def list_array(values: Sequence, value_type) -> "pyarrow.ListArray":  # noqa: F8
 
     dtype = value_type.to_pandas_dtype()
     lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-    offsets = np.zeros(len(values) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
     if values and isinstance(values[0], np.ndarray):
         flat = np.concatenate(values).astype(dtype, copy=False)
     else:
-        flat = np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=int(offsets[-1]))
+        flat = np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=int(lengths.sum()))
+    return flat_list_array(flat, lengths, value_type)
+
+
+def flat_list_array(flat: np.ndarray, lengths: np.ndarray, value_type) -> "pyarrow.ListArray":  # noqa: F821
+    """An Arrow list column from all rows' values concatenated (``flat``) and each row's length."""
+    import pyarrow as pa
+
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, value_type), type=pa.list_(value_type))
 
 

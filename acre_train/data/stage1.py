@@ -1,14 +1,15 @@
 """Stage 1: long plain-text spans with interleaved L1 tokens (``acre-train preprocess stage1``).
 
 Pipeline: read records -> tokenize documents (cached per inputs + tokenizer; in this process for a fast
-tokenizer, which uses every core itself, else in ``num_proc`` workers) ->
+tokenizer, which uses every core itself, else in ``num_proc`` worker processes) ->
 sample spans (sequential, cheap: token offsets only) -> build rows with the interleave plan
-(``num_proc``) -> write atomically with a manifest.
+(``num_proc`` processes, ``parallel.ordered_map``) -> write atomically with a manifest.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 from pathlib import Path
@@ -17,9 +18,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import DataError, InputProblems
-from .output import FORMAT_VERSION, dataset_from_generator, fingerprint, no_usable_record
+from .output import FORMAT_VERSION, fingerprint, no_usable_record
+from .parallel import ordered_map
 from .prepare import Built, Preparation, input_records, prepare
-from .rows import features, list_array, plan_row, rows_table
+from .rows import features, flat_list_array, plan_row, rows_table
 from .settings import Stage1Settings
 from .spans import Segment, iter_spans
 from .tokenizer import BatchEncoder, open_tokenizer
@@ -44,13 +46,7 @@ def iter_documents(settings: Stage1Settings, problems: InputProblems) -> Iterato
         yield {"text": text, "source": record.where, "meta": json.dumps(meta, sort_keys=True, default=str)}
 
 
-def _tokenize_batch(batch: dict[str, list], encode: BatchEncoder):
-    # No special tokens: spans start mid-document, a BOS per document would be noise. An Arrow table, not
-    # lists: datasets would convert every token id one by one (it took longer than encoding them).
-    return _tokenized_table(encode(batch["text"]), batch["source"], batch["meta"])
-
-
-def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems, work: Path):
+def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems):
     """Tokenized documents, reused from the cache when inputs, fields and tokenizer match.
 
     The cache is one Arrow file, written in place by the tokenizing pass (no second copy)."""
@@ -67,23 +63,11 @@ def tokenized_documents(settings: Stage1Settings, tokenizer: Any, key: str, prob
     # Several preparations may fill this cache at once: leave their partial folders alone, and keep
     # whichever finished first.
     with atomic_dir(cache, f"the tokenized cache {cache}", clear_stale=False, keep_existing=True) as tmp:
-        if settings.num_proc > 1 and not _encodes_on_every_core(tokenizer):
-            _write_arrow(_tokenize_in_workers(settings, tokenizer, key, problems, work), tmp / "tokens.arrow")
-        else:  # (workers would only add copies to a tokenizer that already uses every core)
-            _tokenize_in_process(settings, tokenizer, problems, tmp / "tokens.arrow")
+        workers = settings.num_proc if settings.num_proc > 1 and not _encodes_on_every_core(tokenizer) else 1
+        # (workers would only add copies to a tokenizer that already uses every core)
+        _tokenize(settings, tokenizer, problems, tmp / "tokens.arrow", workers)
         (tmp / "problems.json").write_text(json.dumps(problems.as_dict()), encoding="utf-8")
     return datasets.Dataset.from_file(str(cache / "tokens.arrow"))
-
-
-def _write_arrow(docs, path: Path) -> None:
-    """A dataset's table as one Arrow file (what ``Dataset.from_file`` reads)."""
-    import pyarrow as pa
-    from datasets.arrow_writer import ArrowWriter
-
-    with ArrowWriter(path=str(path), features=docs.features) as writer:
-        for batch in docs.data.to_batches():
-            writer.write_table(pa.Table.from_batches([batch]))
-        writer.finalize()
 
 
 def _encodes_on_every_core(tokenizer: Any) -> bool:
@@ -92,28 +76,29 @@ def _encodes_on_every_core(tokenizer: Any) -> bool:
     return BatchEncoder(tokenizer).rust is not None and flag not in ("0", "false", "off", "no")
 
 
-def _tokenize_in_process(settings: Stage1Settings, tokenizer: Any, problems: InputProblems, path: Path,
-                         batch_docs: int = 256) -> None:
-    """Read, tokenize and write Arrow in one pass, one process. A fast tokenizer's batched encode
-    already uses every core (Rayon), and skipping the text column's round trip through Arrow and the
-    ``map`` over it is what brings preparation close to the tokenizer's own speed."""
+def _tokenize(settings: Stage1Settings, tokenizer: Any, problems: InputProblems, path: Path, workers: int,
+              batch_docs: int = 256) -> None:
+    """Read, tokenize and write Arrow in one pass, batch by batch, in input order: in this process
+    (``workers == 1``: a fast tokenizer's batched encode already uses every core), or in ``workers``
+    processes (``parallel.ordered_map``; the records are still read here)."""
     from datasets.arrow_writer import ArrowWriter
-
     from datasets.utils.tqdm import tqdm  # (silenced with datasets' own progress bars)
 
-    encode = BatchEncoder(tokenizer)
+    docs = iter(tqdm(iter_documents(settings, problems), desc="tokenizing", unit=" docs"))
+    batches = iter(lambda: list(itertools.islice(docs, batch_docs)), [])
     with ArrowWriter(path=str(path), features=_tokenized_features()) as writer:
-        batch: list[dict[str, str]] = []
-        for doc in tqdm(iter_documents(settings, problems), desc="tokenizing", unit=" docs"):
-            batch.append(doc)
-            if len(batch) == batch_docs:
-                writer.write_table(_tokenized_docs(encode, batch))
-                batch = []
-        if batch:
-            writer.write_table(_tokenized_docs(encode, batch))
+        for batch, (flat, lengths) in ordered_map(_flat_ids, batches, BatchEncoder(tokenizer), workers):
+            writer.write_table(_tokenized_table(flat, lengths, batch))
         written, _ = writer.finalize()
     if written == 0:
         raise DataError(no_usable_record(problems))
+
+
+def _flat_ids(encoder: BatchEncoder, docs: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """All the documents' ids concatenated (int32) and each one's count: cheap to send between processes."""
+    ids = encoder([d["text"] for d in docs])
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())), lengths
 
 
 def _tokenized_features():
@@ -123,35 +108,13 @@ def _tokenized_features():
                      "source": Value("string"), "meta": Value("string")})
 
 
-def _tokenized_docs(encode: BatchEncoder, docs: list[dict[str, str]]):
-    return _tokenized_table(encode([d["text"] for d in docs]), [d["source"] for d in docs], [d["meta"] for d in docs])
-
-
-def _tokenized_table(ids: list[list[int]], sources: list[str], metas: list[str]):
-    """One Arrow table of a batch: the ids flattened once into a list column (no per-token Python)."""
+def _tokenized_table(flat: np.ndarray, lengths: np.ndarray, docs: list[dict[str, str]]):
+    """One Arrow table of a batch of tokenized documents (no per-token Python)."""
     import pyarrow as pa
 
-    return pa.table({"input_ids": list_array(ids, pa.int32()), "num_tokens": pa.array([len(x) for x in ids], pa.int64()),
-                     "source": pa.array(sources, pa.string()), "meta": pa.array(metas, pa.string())})
-
-
-def _tokenize_in_workers(settings: Stage1Settings, tokenizer: Any, key: str, problems: InputProblems, work: Path):
-    """``num_proc`` > 1: the documents go to Arrow first, then ``datasets.map`` tokenizes them in workers
-    (for tokenizers that do not parallelise themselves)."""
-    import datasets
-
-    def generate():
-        yield from iter_documents(settings, problems)
-
-    docs = dataset_from_generator(
-        generate, work / "gen", features=datasets.Features(
-            {"text": datasets.Value("string"), "source": datasets.Value("string"), "meta": datasets.Value("string")}),
-        problems=problems, fingerprint=key[:32])
-    return docs.map(
-        _tokenize_batch, batched=True, batch_size=256, fn_kwargs={"encode": BatchEncoder(tokenizer)},
-        num_proc=settings.num_proc, features=_tokenized_features(),
-        cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=key[:32], desc="tokenizing",
-    )
+    return pa.table({"input_ids": flat_list_array(flat, lengths, pa.int32()), "num_tokens": pa.array(lengths),
+                     "source": pa.array([d["source"] for d in docs], pa.string()),
+                     "meta": pa.array([d["meta"] for d in docs], pa.string())})
 
 
 def span_ids(segments: list[Segment], fetch, eos_id: int) -> np.ndarray:
@@ -176,8 +139,9 @@ def stage1_row(sample_index: int, segments: list[Segment], fetch, sources, setti
     return row
 
 
-def _map_spans(batch: dict[str, list], docs, settings: Stage1Settings, eos_id: int, l1_id: int):
-    """A batch of span plans -> their stage-1 rows, as one Arrow table (``rows_table``)."""
+def _span_rows(state: tuple, batch: tuple[int, list[list[Segment]]]):
+    """A batch of spans (its first sample index, the spans) -> their stage-1 rows, as one Arrow table."""
+    docs, settings, eos_id, l1_id = state
     # Straight from the memory-mapped Arrow table: ``docs[i]`` would format the whole row (a document's
     # token list into Python) for each segment, which cost more than the interleaving itself.
     table = docs.data
@@ -189,8 +153,8 @@ def _map_spans(batch: dict[str, list], docs, settings: Stage1Settings, eos_id: i
     def sources(d):
         return source[int(d)].as_py(), meta[int(d)].as_py()
 
-    rows = [stage1_row(index, [tuple(int(v) for v in seg) for seg in plan], fetch, sources, settings, eos_id, l1_id)
-            for index, plan in zip(batch["sample_index"], batch["segments"])]
+    first, spans = batch
+    rows = [stage1_row(first + k, span, fetch, sources, settings, eos_id, l1_id) for k, span in enumerate(spans)]
     return rows_table(rows, _stage1_schema())
 
 
@@ -212,10 +176,11 @@ def prepare_stage1(settings: Stage1Settings, log=print) -> Path:
 def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
     """Tokenize the documents (cached per inputs + tokenizer), sample spans, interleave each span."""
     import datasets
+    from datasets.arrow_writer import ArrowWriter
 
     read_key = fingerprint(FORMAT_VERSION, prep.inputs, settings.text_field, settings.meta_field, settings.strict,
                            prep.tok_facts["fingerprint"])  # strict decides which records survive
-    docs = tokenized_documents(settings, prep.tokenizer, read_key, prep.problems, prep.work)
+    docs = tokenized_documents(settings, prep.tokenizer, read_key, prep.problems)
     lengths = docs["num_tokens"]
     spans = list(_spans(settings, enumerate(lengths)))
     if not spans:
@@ -224,17 +189,15 @@ def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
             f"and {sum(lengths)} in all, below min_length={settings.min_length}"
             + ("" if settings.pack else " (packing is off: pass --pack to join short documents)")
         )
-    plan = datasets.Dataset.from_dict(
-        {"sample_index": list(range(len(spans))), "segments": [[list(s) for s in span] for span in spans]})
-    rows = plan.map(
-        _map_spans, batched=True, batch_size=64, fn_kwargs={"docs": docs, "settings": settings, "eos_id": prep.tokenizer.eos_token_id,
-                              "l1_id": prep.l1_id},
-        remove_columns=["segments"], features=features(1),
-        num_proc=settings.num_proc if settings.num_proc > 1 else None,
-        # One process writes one file, straight into the output (workers write one each: those go to scratch).
-        cache_file_name=str(prep.rows_file if settings.num_proc <= 1 and prep.rows_file else prep.work / "rows.arrow"),
-        new_fingerprint=prep.key[:32], desc="interleaving",
-    )
+    # One file, written in order straight into the output (parallel.py: why not datasets.map).
+    batches = ((start, spans[start : start + 64]) for start in range(0, len(spans), 64))
+    path = prep.rows_file or prep.work / "rows.arrow"
+    with ArrowWriter(path=str(path), features=features(1)) as writer:
+        for _, table in ordered_map(_span_rows, batches, (docs, settings, prep.tokenizer.eos_token_id, prep.l1_id),
+                                    settings.num_proc):
+            writer.write_table(table)
+        writer.finalize()
+    rows = datasets.Dataset.from_file(str(path))
     return Built(rows, {"documents": len(lengths), "document_tokens": int(sum(lengths))})
 
 
