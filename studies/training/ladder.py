@@ -17,7 +17,8 @@ projections; ``stage1-long``: stage 1, 120 steps; ``stage1-distill``: stage 1 di
 plus half the loss a KL to the frozen base) seed by seed (a finished seed is kept, so a session that ends
 mid-cell resumes) with the plain stage 1+2 row's calibrated scorer, and writes, per row, the cell and its
 paired comparison with that row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. ``ROW.text`` answers with the row's weights and
-setting but the refilled cache rotated at text positions (``positions=text``). ``LENGTH/TASK@SWEEP``
+setting but the refilled cache rotated at text positions (``positions=text``); ``ROW.eta2`` with twice the
+refill budget (``max_refill=384``, a diagnostic: it attends more KV than the cell's other rows). ``LENGTH/TASK@SWEEP``
 answers instead with a grown-refill sweep's committed calibration (``@centered``: the calibrated centred
 regions of docs/real-base/scorer/centered/, the best setting at 4K and 8K multikey), pairs with that sweep's
 own cell and writes to docs/real-base/training/ladder/SWEEP/LENGTH/TASK/ROW/. Where the reference cell has
@@ -48,7 +49,8 @@ ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/s
             "stage2-sim-distill": REPO / "studies/adapters/stage2-sim-distill-lora-step120+120.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
 # ``ROW.VARIANT``: the row's weights answering with one inference option changed (same setting otherwise).
-VARIANTS = {"text": ("positions=text", "text positions")}
+VARIANTS = {"text": ("positions=text", "text positions"),
+            "eta2": ("max_refill=384", "twice the refill budget (eta 384: not at the cell's KV)")}
 DEFAULT_CELLS = "2048/squad:stage0+stage1-long,4096/niah_multikey:stage2-sim-long"
 
 
