@@ -96,7 +96,7 @@ def _tokenize(settings: Stage1Settings, tokenizer: Any, problems: InputProblems,
 
 def _flat_ids(encoder: BatchEncoder, docs: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
     """All the documents' ids concatenated (int32) and each one's count: cheap to send between processes."""
-    ids = encoder([d["text"] for d in docs])
+    ids = encoder([d["text"] for d in docs])  # no special tokens: spans start mid-document, a BOS would be noise
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())), lengths
 
