@@ -117,6 +117,30 @@ def reference(root: Path, length: int, task: str, sweep: str | None) -> tuple[st
     return "acre", DOCS / "scorer" / sweep / f"{length}/{task}", GROWN[f"{length}/{task}"][0]
 
 
+def row_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a script that re-answers one ladder row's cell (without_memory.py, sparse_full.py)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--squad", required=True)
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    parser.add_argument("--cell", default="4096/niah_multikey@centered", help="LENGTH/TASK[@SWEEP]")
+    parser.add_argument("--row", default="stage2-sim-long", choices=ROWS)
+    return parser
+
+
+def row_setup(args: argparse.Namespace) -> tuple[int, str, str | None, str, Path, Path]:
+    """``(length, task, sweep, setting, export, held-out SQuAD)`` of ``row_parser``'s cell and row, as the
+    ladder answers it (a sweep's committed calibration written into a copy of the row's export)."""
+    ((length, task, sweep, _),) = parse_cells(f"{args.cell}:{args.row}")
+    root = Path(args.root)
+    setting, _, _ = reference(root, length, task, sweep)
+    export = exports(root)[args.row]
+    if sweep:
+        export = scorer_study.with_calibration(export, root / "exports" / f"ladder-{sweep}-{length}-{task}-{args.row}",
+                                               DOCS / "scorer" / sweep / f"{length}/{task}" / "calibration.json")
+    _, held = scorer_study.squad_splits(root, Path(args.squad))
+    return length, task, sweep, setting, export, held
+
+
 def ladder_dir(base: Path, length: int, task: str, sweep: str | None) -> Path:
     return (base / sweep if sweep else base) / str(length) / task
 

@@ -16,7 +16,6 @@ ACRE's answer and score, the sparse full-attention answer and score, the refille
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -71,21 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     from acre_train.eval.tasks import build_task
     from acre_train.infer.load import load_export
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--squad", required=True)
-    parser.add_argument("--root", default="checkpoints/scorer-study")
-    parser.add_argument("--cell", default="4096/niah_multikey@centered", help="LENGTH/TASK[@SWEEP]")
-    parser.add_argument("--row", default="stage2-sim-long", choices=ladder.ROWS)
+    parser = ladder.row_parser(__doc__)
     parser.add_argument("--seeds", default="777")
     args = parser.parse_args(argv)
-    ((length, task, sweep, _),) = ladder.parse_cells(f"{args.cell}:{args.row}")
-    root = Path(args.root)
-    setting, _, _ = ladder.reference(root, length, task, sweep)
-    export = ladder.exports(root)[args.row]
-    if sweep:
-        export = scorer_study.with_calibration(export, root / "exports" / f"ladder-{sweep}-{length}-{task}-{args.row}",
-                                               ladder.DOCS / "scorer" / sweep / f"{length}/{task}" / "calibration.json")
-    _, held = scorer_study.squad_splits(root, Path(args.squad))
+    length, task, sweep, setting, export, held = ladder.row_setup(args)
     model, _, _ = load_export(export, dtype=torch.float32)
     tok = auto_tokenizer(resolve_source(scorer_study.BASE))
     base = AutoModelForCausalLM.from_pretrained(resolve_source(scorer_study.BASE), dtype=torch.float32).eval()

@@ -16,7 +16,6 @@ the row's own cell.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -47,20 +46,9 @@ def assemble_without_memory(model, cache, selected, positions: str = "compact") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--squad", required=True)
-    parser.add_argument("--root", default="checkpoints/scorer-study")
-    parser.add_argument("--cell", default="4096/niah_multikey@centered", help="LENGTH/TASK[@SWEEP]")
-    parser.add_argument("--row", default="stage2-sim-long", choices=ladder.ROWS)
-    args = parser.parse_args(argv)
-    ((length, task, sweep, _),) = ladder.parse_cells(f"{args.cell}:{args.row}")
+    args = ladder.row_parser(__doc__).parse_args(argv)
+    length, task, sweep, setting, export, held = ladder.row_setup(args)
     root = Path(args.root)
-    setting, _, _ = ladder.reference(root, length, task, sweep)
-    export = ladder.exports(root)[args.row]
-    if sweep:
-        export = scorer_study.with_calibration(export, root / "exports" / f"ladder-{sweep}-{length}-{task}-{args.row}",
-                                               ladder.DOCS / "scorer" / sweep / f"{length}/{task}" / "calibration.json")
-    _, held = scorer_study.squad_splits(root, Path(args.squad))
     name = f"{args.row}.no-memory"
     out = ladder.ladder_dir(root / "eval" / "ladder", length, task, sweep) / name
     docs = ladder.ladder_dir(ladder.DOCS / "training/ladder", length, task, sweep) / name
