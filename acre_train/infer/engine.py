@@ -348,14 +348,14 @@ class AcreEngine:
         return decode(logits, step, max_new_tokens=settings.max_new_tokens, stop_ids=stop,
                       temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
 
-    def _check_room(self, cache_length: int, query_length: int, max_new: int) -> None:
-        """``cache_length``: the position the open chunk starts at."""
+    def _check_room(self, start: int, query_length: int, max_new: int) -> None:
+        """``start``: the position the open chunk starts at (the refilled cache's length, or the context's)."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
         interval = self.cache_settings.interval
-        needed = cache_length + query_length + max_new + max_new // interval + 1
+        needed = start + query_length + max_new + max_new // interval + 1
         if limit is not None and needed > limit:
             raise ContextTooLongError(
-                f"refilled cache ({cache_length}) + open chunk and question ({query_length}) + "
+                f"refilled cache ({start} positions) + open chunk and question ({query_length}) + "
                 f"{max_new} new tokens need {needed} positions, the model has {limit}; lower W / max_refill, "
                 "max_new_tokens, or the stride")
 
