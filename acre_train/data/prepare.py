@@ -25,6 +25,7 @@ from .output import (
     reusable, save_rows, write_manifest,
 )
 from .readers import Record, describe_inputs, expand_inputs, read_files, read_hub_dataset
+from .rows import column_values
 from .settings import Stage1Settings, Stage2Settings
 from .tokenizer import open_tokenizer
 
@@ -129,8 +130,8 @@ def build_manifest(stage: int, settings: Settings, rows, inputs, tok_facts, l1_i
     """Counts, token totals, histograms, the exact settings and the input hashes."""
     import pyarrow.compute as pc
 
-    raw = [int(n) for n in rows["num_raw_tokens"]]
-    intervals = rows["intervals"]
+    raw = column_values(rows, "num_raw_tokens")
+    intervals = column_values(rows, "intervals")
     # Interleaved lengths straight from Arrow's list offsets: no token values are read.
     total = int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
     counts = {

@@ -96,3 +96,12 @@ def rows_table(rows: list[dict[str, Any]], schema) -> "pyarrow.Table":  # noqa: 
         columns.append(list_array(values, field.type.value_type) if pa.types.is_list(field.type)
                        else pa.array(values, field.type))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def column_values(rows, name: str) -> list:
+    """A ``datasets.Dataset`` column as a Python list, read from Arrow in one call (selections honoured).
+
+    Iterating ``rows[name]`` formats each row apart: 0.1-0.2 s per few thousand rows, as much as the
+    rest of a small preparation's bookkeeping."""
+    return rows.select_columns([name]).with_format("arrow")[:].column(name).to_pylist()
+

@@ -21,7 +21,7 @@ from .errors import DataError, InputProblems
 from .output import FORMAT_VERSION, fingerprint, no_usable_record
 from .parallel import ordered_map
 from .prepare import Built, Preparation, input_records, prepare
-from .rows import features, flat_list_array, plan_row, rows_table
+from .rows import column_values, features, flat_list_array, plan_row, rows_table
 from .settings import Stage1Settings
 from .spans import Segment, iter_spans
 from .tokenizer import BatchEncoder, open_tokenizer
@@ -181,7 +181,7 @@ def _stage1_rows(settings: Stage1Settings, prep: Preparation) -> Built:
     read_key = fingerprint(FORMAT_VERSION, prep.inputs, settings.text_field, settings.meta_field, settings.strict,
                            prep.tok_facts["fingerprint"])  # strict decides which records survive
     docs = tokenized_documents(settings, prep.tokenizer, read_key, prep.problems)
-    lengths = docs["num_tokens"]
+    lengths = column_values(docs, "num_tokens")
     spans = list(_spans(settings, enumerate(lengths)))
     if not spans:
         raise DataError(

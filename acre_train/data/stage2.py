@@ -22,7 +22,7 @@ from .formats import to_messages
 from .output import dataset_from_generator
 from .prepare import Built, Preparation, input_records, prepare
 from .readers import expand_inputs, read_files, read_hub_dataset
-from .rows import features, plan_row
+from .rows import column_values, features, plan_row
 from ..modeling.interleave import IGNORE_INDEX
 from .settings import Stage2Settings
 from .squad import build_long_qa, load_squad_files, paragraphs_from_records, paragraphs_from_squad_json
@@ -173,7 +173,7 @@ def _stage2_rows(settings: Stage2Settings, prep: Preparation) -> Built:
         remove_columns=examples.column_names, features=features(2), num_proc=nproc,
         cache_file_name=str(prep.work / "rows.arrow"), new_fingerprint=prep.key[:32], desc="rendering",
     )
-    statuses = Counter(rows["status"])
+    statuses = Counter(column_values(rows, "status"))
     kept = rows.filter(lambda s: not s.startswith("dropped"), input_columns="status",
                        cache_file_name=str(prep.work / "kept.arrow"), new_fingerprint=prep.key[32:64])
     dropped = {s: c for s, c in sorted(statuses.items()) if s.startswith("dropped")}
@@ -183,10 +183,10 @@ def _stage2_rows(settings: Stage2Settings, prep: Preparation) -> Built:
     if settings.pack_questions > 1:
         kept = pack_dataset(kept, settings, prep.l1_id)
     counts = {"examples": len(examples), "truncated": statuses.get("truncated", 0),
-              "dropped": sum(dropped.values()), "answer_tokens": int(sum(kept["num_answer_tokens"])),
-              "with_evidence": int(sum(1 for e in kept["evidence"] if len(e))),
-              "pack_questions": settings.pack_questions, "questions": int(sum(len(q) // 2 for q in kept["question"]))}
-    marked = sum(1 for e in examples["evidence"] if e not in ("[]", "", None))  # conversations marking evidence
+              "dropped": sum(dropped.values()), "answer_tokens": int(sum(column_values(kept, "num_answer_tokens"))),
+              "with_evidence": int(sum(1 for e in column_values(kept, "evidence") if len(e))),
+              "pack_questions": settings.pack_questions, "questions": int(sum(len(q) // 2 for q in column_values(kept, "question")))}
+    marked = sum(1 for e in column_values(examples, "evidence") if e not in ("[]", "", None))  # conversations marking evidence
     with_evidence = f", {counts['with_evidence']} with evidence of {marked} marked" if marked else ""
     warnings = []
     if marked and not counts["with_evidence"]:
