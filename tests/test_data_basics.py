@@ -37,6 +37,26 @@ def test_tiny_tokenizer_chat_template_is_chatml():
     assert len(tok("<|im_end|>", add_special_tokens=False)["input_ids"]) == 1
 
 
+def test_tokenizer_fingerprint_is_kept_per_tokenizer_and_follows_added_tokens():
+    import hashlib
+
+    from acre_train.data.tokenizer import tokenizer_fingerprint
+
+    def recomputed(tok):  # the definition, without the per-object memo
+        digest = hashlib.sha256(tok.backend_tokenizer.to_str().encode("utf-8"))
+        for part in (tok.chat_template or "", str(tok.eos_token_id), str(tok.bos_token_id), str(tok.pad_token_id)):
+            digest.update(b"\0" + str(part).encode("utf-8"))
+        return digest.hexdigest()
+
+    tok = tiny_tokenizer()
+    first = tokenizer_fingerprint(tok)
+    assert first == recomputed(tok) == tokenizer_fingerprint(tok)
+    tok.add_tokens(["<zq-new-token>"])  # changes the ids some texts get: the memo must not survive it
+    assert tokenizer_fingerprint(tok) == recomputed(tok) != first
+    tok.chat_template = "{{ messages }}"  # not part of the memo: read on every call
+    assert tokenizer_fingerprint(tok) == recomputed(tok)
+
+
 def test_builtin_samples():
     text = builtin_text()
     assert len(text) > 50 and all(isinstance(r["text"], str) and r["text"] for r in text)

@@ -12,8 +12,8 @@ committed in studies/adapters and the reference cells in docs/real-base/scorer::
         --cells 8192/niah_multikey@centered:stage2-sim-long+stage2-sim-distill
 
 Each ``LENGTH/TASK:ROW+ROW`` evaluates those rows (``stage0``: untrained L1, copies of the base's
-projections; ``stage1-long``: stage 1, 120 steps; ``stage1-distill``: stage 1 distilled, 60 steps;
-``stage2-sim-long``: stage 1+2 in the refilled layout, 120 + 120 steps; ``stage2-sim-distill``: the same
+projections; ``stage1-long``: stage 1, 120 steps; ``stage1-distill``: stage 1 distilled, 60 steps; ``stage2-long``: plain stage 1+2, 120 + 120 steps (a
+sweep's cell only: elsewhere it is the reference row); ``stage2-sim-long``: stage 1+2 in the refilled layout, 120 + 120 steps; ``stage2-sim-distill``: the same
 plus half the loss a KL to the frozen base) seed by seed (a finished seed is kept, so a session that ends
 mid-cell resumes) with the plain stage 1+2 row's calibrated scorer, and writes, per row, the cell and its
 paired comparison with that row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. ``ROW.text`` answers with the row's weights and
@@ -41,7 +41,10 @@ import run as scorer_study  # noqa: E402
 from run import EVAL_SEEDS, REPO, log  # noqa: E402
 from sim import STAGE1, plain_cell, plain_setting, publish_cell  # noqa: E402
 
-ADAPTERS = {"stage1-long": STAGE1, "stage2-sim-long": REPO / "studies/adapters/stage2-sim-lora-step120+120.safetensors",
+ADAPTERS = {"stage1-long": STAGE1,
+            # plain stage 1+2: the reference row of a cell without a sweep; a row of its own in a sweep's cell
+            "stage2-long": REPO / "studies/adapters/stage2-lora-step120+120.safetensors",
+            "stage2-sim-long": REPO / "studies/adapters/stage2-sim-lora-step120+120.safetensors",
             # stage 1 distilled from the frozen base, half the CE row's steps (acre-train reproduce real --steps
             # stage1-distill, then --steps export; the export's adapter file is copied here when it finishes)
             "stage1-distill": REPO / "studies/adapters/stage1-distill-lora-step60.safetensors",
@@ -73,7 +76,9 @@ def parse_cells(spec: str) -> list[tuple[int, str, str | None, list[str]]]:
         where, _, rows = part.partition(":")
         where, _, sweep = where.partition("@")
         length, task = where.split("/")
-        chosen = rows.split("+") if rows else list(ROWS)
+        chosen = rows.split("+") if rows else [r for r in ROWS if sweep or r != "stage2-long"]
+        if not sweep and "stage2-long" in chosen:
+            raise SystemExit(f"cell {part!r}: stage2-long is the reference row of a cell without a sweep (already run)")
         unknown = [r for r in chosen if split_row(r)[0] not in ROWS or split_row(r)[1] not in ("", *VARIANTS)]
         if unknown:
             raise SystemExit(f"cell {part!r}: unknown row(s) {unknown}; rows are {list(ROWS)}")
