@@ -104,4 +104,3 @@ def column_values(rows, name: str) -> list:
     Iterating ``rows[name]`` formats each row apart: 0.1-0.2 s per few thousand rows, as much as the
     rest of a small preparation's bookkeeping."""
     return rows.select_columns([name]).with_format("arrow")[:].column(name).to_pylist()
-
