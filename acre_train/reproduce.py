@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default: checkpoints/<study>, or checkpoints/<study>-smoke with --smoke)")
     parser.add_argument("--steps", default=None,
                         help="comma-separated subset of the study's steps (default: all; finished ones are skipped). "
-                             "real: streams,corpus,stage1,stage2,stage2-refill,stage2-refill-light,stage1-full,stage2-full,stage1-long,stage2-long,stage2-sim-long,stage1-distill,stage2-sim-distill,export,eval,report; "
+                             "real: streams,corpus,stage1,stage2,stage2-refill,stage2-refill-light,stage1-full,stage2-full,stage1-long,stage2-long,stage2-sim-long,stage1-distill,stage2-sim-distill,stage1-corpus,export,eval,report; "
                              "mini: tokenizer,streams,base,base2,"
                              "export-base,stage1,stage2,vanilla-sft,eval,report")
     parser.add_argument("--force", action="store_true", help="re-run the named steps even if their outputs exist (old outputs are kept as "

@@ -54,16 +54,20 @@ class Candidate:
                 + int(s.learned) + int(self.grow_shape != "attention"), len(s.layers), self.grow)
 
 
-def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), layers: Sequence[int] | None = None,
+def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
+          layers: Sequence[int | Sequence[int]] | None = None,
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
           neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = (),
           grow: Sequence[int] = (), grow_shapes: Sequence[str] = ("attention",)) -> list[Candidate]:
-    """The settings to compare. Default layers: every third layer and the last. ``learned_layers``:
-    the layers of the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
+    """The settings to compare. ``layers``: one scoring layer, or a tuple of layers whose scores are
+    averaged (one setting); default: every third layer and the last. ``learned_layers``: the layers of
+    the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
     token-granular refill, swept beside the span rules for every ``l2`` setting, in each of ``grow_shapes``.
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
+    >>> sorted({c.scorer.layers for c in sweep(4, kinds=("l1",), layers=(0, (1, 3)), sinks=(0,))})
+    [(0,), (1, 3)]
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,), learned_layers=(3,)))
     12
     """
@@ -72,11 +76,15 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"), lay
     grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
     for kind, (layer, learned), pool, near in itertools.product(kinds, grid, heads, neighbors):
         for sink, keep in ([(0, False)] if kind == "l1" else [(s, k) for s in sinks for k in ((False, True) if s else (False,))]):
-            scorer = ScorerSettings(kind, (int(layer),), pool, int(sink), keep, learned)
+            scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned)
             out.append(Candidate(scorer, bool(near)))
             if kind == "l2" and not near:
                 out.extend(Candidate(scorer, False, int(g), shape) for g in grow if g > 0 for shape in grow_shapes)
     return out
+
+
+def _layer_set(layer: int | Sequence[int]) -> tuple[int, ...]:
+    return (int(layer),) if isinstance(layer, int) else tuple(int(x) for x in layer)
 
 
 def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, overrides: dict[str, Any] | None = None,
@@ -182,7 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions-per-context", type=int, default=4,
                         help="built-in squad / niah_multikey: questions sharing one cache (default: 4)")
     parser.add_argument("--scorers", default="l1,l2,bounds", help="scorer kinds to sweep (default: l1,l2,bounds)")
-    parser.add_argument("--layers", default=None, help="layers to sweep, e.g. 3,7,9,23 (default: every third and the last)")
+    parser.add_argument("--layers", default=None,
+                        help="layers to sweep, e.g. 3,7,9,5+7+9 (a '+' group is one setting averaging those layers; "
+                             "default: every third and the last)")
     parser.add_argument("--heads", default="mean,max", help="head pooling to sweep (default: mean,max)")
     parser.add_argument("--sinks", default="0,4", help="sink tokens per chunk start to sweep (default: 0,4)")
     parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
@@ -212,6 +222,17 @@ def _ints(text: str, what: str) -> list[int]:
         raise ValueError(f"--{what} takes comma-separated integers, got {text!r}") from None
 
 
+def _layer_sets(text: str) -> list[tuple[int, ...]]:
+    """``"3,7,5+7+9"`` -> ``[(3,), (7,), (5, 7, 9)]``."""
+    try:
+        sets = [tuple(int(x) for x in item.split("+")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"--layers takes comma-separated layers or '+' groups (e.g. 3,7,5+7+9), got {text!r}") from None
+    if not sets:
+        raise ValueError("--layers names no layer")
+    return sets
+
+
 def run(args: argparse.Namespace) -> int:
     from ..modeling.learned_scorer import query_map_of
     from ..infer.load import load_export
@@ -229,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"{export} holds no tokenizer files; re-export it with its tokenizer")
     n_layers = model.config.num_hidden_layers
-    candidates = sweep(n_layers, kinds=kinds, layers=_ints(args.layers, "layers") if args.layers else None,
+    candidates = sweep(n_layers, kinds=kinds, layers=_layer_sets(args.layers) if args.layers else None,
                        heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")],
                        learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else (),
                        grow=_ints(args.grow, "grow"), grow_shapes=_names(args.grow_shapes, GROW_SHAPES, "grow-shapes"))
