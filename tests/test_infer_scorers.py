@@ -201,7 +201,8 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
     """Written from grow_tokens' docstring: seeds best first, each ``width`` clear of what is taken, then
     the untaken token next to a taken one with the most mass, one at a time (ties: the earlier token).
     ``centered``: each seed instead takes the free budget's even share, centred on it, kept inside the
-    context, and nothing grows."""
+    context, and nothing grows. ``densest``: each region is the window of that share with the most mass
+    (best first, ties: the earlier), not overlapping an earlier region; its untaken tokens come back."""
     def score(a: int, b: int) -> float:
         per_layer = []
         for table in mass:
@@ -211,7 +212,18 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
         return sum(per_layer) / len(per_layer)
 
     taken = set(taken or ())
-    share = max(width, (budget - len(taken)) // seeds) if shape == "centered" else width
+    share = max(width, (budget - len(taken)) // seeds) if shape != "attention" else width
+    if shape == "densest":
+        share, regions = min(share, num_tokens), set()
+        for s in sorted(range(num_tokens - share + 1), key=lambda s: (-score(s, s + share), s)):
+            if seeds == 0 or len(taken) >= budget:
+                break
+            if regions & set(range(s, s + share)):
+                continue
+            taken |= set([t for t in range(s, s + share) if t not in taken][: budget - len(taken)])
+            regions |= set(range(s, s + share))
+            seeds -= 1
+        return taken
     placed = 0
     for s in sorted(range(num_tokens - width + 1), key=lambda s: (-score(s, s + width), s)):
         if placed >= seeds or len(taken) + width > budget:
@@ -234,7 +246,7 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
     return taken
 
 
-@pytest.mark.parametrize("shape", ["attention", "centered"])
+@pytest.mark.parametrize("shape", ["attention", "centered", "densest"])
 @pytest.mark.parametrize("seeds,heads,forced", [(1, "max", ()), (2, "mean", ()), (3, "max", (5, 6, 7)), (2, "max", tuple(range(40)))])
 def test_grown_refill_equals_its_reference(seeds, heads, forced, shape):
     gen = torch.Generator().manual_seed(seeds)
@@ -247,8 +259,10 @@ def test_grown_refill_equals_its_reference(seeds, heads, forced, shape):
     assert set(torch.nonzero(got).flatten().tolist()) == want
     if shape == "attention" or forced == tuple(range(40)):
         assert int(got.sum()) == max(24, len(forced))
-    else:  # regions of 24 // seeds tokens, one per seed (none overlap here)
+    elif shape == "centered":  # regions of 24 // seeds tokens, one per seed (none overlap here)
         assert int(got.sum()) == len(forced) + seeds * ((24 - len(forced)) // seeds)
+    else:  # disjoint regions of that share; a region over a forced token brings back fewer new ones
+        assert len(forced) < int(got.sum()) <= len(forced) + seeds * ((24 - len(forced)) // seeds)
 
 
 def test_a_centered_region_lies_around_its_seed_and_inside_the_context():
@@ -262,7 +276,26 @@ def test_a_centered_region_lies_around_its_seed_and_inside_the_context():
     assert torch.nonzero(got).flatten().tolist() == list(range(30, 40))
 
 
-@pytest.mark.parametrize("shape", ["attention", "centered"])
+def test_a_densest_region_adds_up_the_question_s_matches_where_a_narrow_seed_would_not():
+    mass = [torch.zeros(1, 1, 60)]
+    mass[0][0, 0, 5] = 1.0  # one strong match: the best 2-token window
+    mass[0][0, 0, 40:50] = 0.3  # a sentence of weaker matches: 3.0 in all
+    centered = grow_tokens(mass, num_tokens=60, budget=10, width=2, seeds=1, shape="centered")
+    densest = grow_tokens(mass, num_tokens=60, budget=10, width=2, seeds=1, shape="densest")
+    assert torch.nonzero(centered).flatten().tolist() == list(range(0, 10))
+    assert torch.nonzero(densest).flatten().tolist() == list(range(40, 50))
+
+
+def test_the_cli_offers_every_grow_shape():
+    from acre_train.cli import build_parser_for
+    from acre_train.modeling.scorers import GROW_SHAPES
+
+    for shape in GROW_SHAPES:
+        argv = ["chat", "export", "--context", "c.txt", "--grow-shape", shape]
+        assert build_parser_for(argv).parse_args(argv).grow_shape == shape
+
+
+@pytest.mark.parametrize("shape", ["attention", "centered", "densest"])
 def test_the_engine_grows_the_reference_tokens_and_reports_them(shape):
     model = _model("qwen2")
     scorer = ScorerSettings.parse("l2:layers=0+1,heads=max,sinks=1")

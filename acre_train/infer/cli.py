@@ -35,9 +35,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grow", type=int, default=None, metavar="N",
                    help="refill tokens, not whole spans (l2 scorers): the N best windows of l tokens grow toward their "
                         "most-attended neighbouring tokens, same k*l budget; 0 = whole spans (default: the export's)")
-    g.add_argument("--grow-shape", default=None, choices=("attention", "centered"),
-                   help="how --grow regions take their tokens: toward the most-attended neighbour (attention), or "
-                        "k*l/N tokens centred on each seed (centered); default: the export's, else attention")
+    # The choices are scorers.GROW_SHAPES, spelled out: printing --help imports no torch.
+    g.add_argument("--grow-shape", default=None, choices=("attention", "centered", "densest"),
+                   help="how --grow regions take their tokens: toward the most-attended neighbour (attention), "
+                        "k*l/N tokens centred on each seed (centered), or the N windows of k*l/N tokens holding the "
+                        "most mass (densest); default: the export's, else attention")
     g.add_argument("--positions", default=None, choices=("compact", "text"),
                    help="where the refilled cache is rotated: contiguous from 0 (compact, the layout stage 2 trains "
                         "in) or at each token's place in the context (text: refilled spans keep their distances, "

@@ -44,8 +44,9 @@ class RefillSettings:
     ``grow``: refill tokens, not whole spans, within the same ``k * l`` tokens: the ``grow`` best
     windows of ``l`` tokens seed the refill and grow toward their most-attended neighbouring tokens
     (``modeling/scorers.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
-    ``grow_shape``: ``attention`` (grow toward the most-attended neighbouring token) or ``centered``
-    (each seed brings ``k * l / grow`` tokens centred on it).
+    ``grow_shape``: ``attention`` (grow toward the most-attended neighbouring token), ``centered``
+    (each seed brings ``k * l / grow`` tokens centred on it) or ``densest`` (``grow`` disjoint windows of
+    ``k * l / grow`` tokens holding the most mass).
     ``positions``: ``compact`` rotates the refilled cache at ``0..P-1`` (DESIGN.md §5); ``text`` at each
     token's index in the whole context, so refilled spans keep their distances in the text (the context
     must then fit the base's native window; ``infer/refill.py:POSITIONS``).

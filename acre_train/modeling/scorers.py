@@ -336,7 +336,7 @@ def select_spans(scores: torch.Tensor, k: int, *, neighbors: bool = False,
     return torch.nonzero(taken).flatten()
 
 
-GROW_SHAPES = ("attention", "centered")
+GROW_SHAPES = ("attention", "centered", "densest")
 
 
 def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, width: int, seeds: int,
@@ -358,6 +358,12 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
     shares with the evidence (a needle's key) more than to what it asks for (the value after it), so
     attention-led growth can stop short of the answer or wander into a look-alike neighbour; a fixed
     window around the match does neither.
+
+    ``shape="densest"``: each region is again the free budget's even share, but placed where that many
+    tokens hold the most mass (the best window of the region's own size, regions apart), not around the
+    best ``width``-token window. One token the question matches strongly (a name, a number) can win a
+    narrow window far from the sentence that answers; a wide window adds up every match of the
+    question. Tokens already taken inside a region are not counted twice.
     """
     import heapq
 
@@ -368,6 +374,8 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
     width = max(1, min(width, num_tokens))
     if num_tokens == 0 or budget <= 0:
         return taken
+    if shape == "densest":
+        return _densest_regions(mass, taken, budget=budget, width=width, seeds=seeds, heads=heads)
     grid = torch.arange(num_tokens + 1)
     window = segment_scores(mass, grid[: num_tokens - width + 1], grid[width:], heads).cpu()
     used, placed = int(taken.sum()), 0
@@ -408,6 +416,28 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
         used += 1
         push(t - 1)
         push(t + 1)
+    return taken
+
+
+def _densest_regions(mass: Sequence[torch.Tensor], taken: torch.Tensor, *, budget: int, width: int, seeds: int,
+                     heads: str) -> torch.Tensor:
+    """``grow_tokens(shape="densest")``: ``seeds`` disjoint windows of the budget's share, most mass first."""
+    num_tokens, used = len(taken), int(taken.sum())
+    size = min(num_tokens, max(width, (budget - used) // max(1, seeds)))
+    grid = torch.arange(num_tokens + 1)
+    window = segment_scores(mass, grid[: num_tokens - size + 1], grid[size:], heads).cpu()
+    regions = torch.zeros(num_tokens, dtype=torch.bool)
+    placed = 0
+    for s in torch.argsort(window, descending=True, stable=True).tolist():
+        if placed >= seeds or used >= budget:
+            break
+        if regions[s : s + size].any():
+            continue
+        free = torch.arange(s, s + size)[~taken[s : s + size]][: budget - used]
+        taken[free] = True
+        regions[s : s + size] = True
+        used += len(free)
+        placed += 1
     return taken
 
 

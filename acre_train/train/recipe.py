@@ -131,7 +131,7 @@ class RefillSimSection(_Section):
     scorer: str = "l1:layers=-1"
     neighbors: bool = False
     grow: int = Field(0, ge=0)  # token-granular refill from this many seeds (infer/settings.py: RefillSettings)
-    grow_shape: Literal["attention", "centered"] = "attention"  # how grown regions take their tokens
+    grow_shape: Literal["attention", "centered", "densest"] = "attention"  # how grown regions take their tokens
 
     @field_validator("scorer")
     @classmethod

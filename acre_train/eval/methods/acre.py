@@ -58,7 +58,7 @@ class Acre(EvalMethod):
     keep_sinks: int = -1
     neighbors: int = -1
     grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
-    grow_shape: str = ""  # attention | centered ("": the export's)
+    grow_shape: str = ""  # attention | centered | densest ("": the export's)
     close_tail: int = 0  # 1: the raw tail runs once at build time (AcreEngine(close_tail=True))
     positions: str = ""  # compact | text: where the refilled cache is rotated ("": the export's)
 
