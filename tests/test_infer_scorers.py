@@ -202,7 +202,8 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
     the untaken token next to a taken one with the most mass, one at a time (ties: the earlier token).
     ``centered``: each seed instead takes the free budget's even share, centred on it, kept inside the
     context, and nothing grows. ``densest``: each region is the window of that share with the most mass
-    (best first, ties: the earlier), not overlapping an earlier region; its untaken tokens come back."""
+    on untaken tokens (best first, ties: the earlier), not overlapping an earlier region; its untaken
+    tokens come back."""
     def score(a: int, b: int) -> float:
         per_layer = []
         for table in mass:
@@ -214,6 +215,9 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
     taken = set(taken or ())
     share = max(width, (budget - len(taken)) // seeds) if shape != "attention" else width
     if shape == "densest":
+        untaken = torch.ones(mass[0].shape[-1])
+        untaken[list(taken)] = 0.0
+        mass = [table * untaken for table in mass]  # taken tokens add nothing to a window
         share, regions = min(share, num_tokens), set()
         for s in sorted(range(num_tokens - share + 1), key=lambda s: (-score(s, s + share), s)):
             if seeds == 0 or len(taken) >= budget:
@@ -284,6 +288,11 @@ def test_a_densest_region_adds_up_the_question_s_matches_where_a_narrow_seed_wou
     densest = grow_tokens(mass, num_tokens=60, budget=10, width=2, seeds=1, shape="densest")
     assert torch.nonzero(centered).flatten().tolist() == list(range(0, 10))
     assert torch.nonzero(densest).flatten().tolist() == list(range(40, 50))
+    mass[0][0, 0, 0:4] = 5.0  # a kept sink the question attends to most: taken already, it wins no region
+    taken = torch.zeros(60, dtype=torch.bool)
+    taken[0:4] = True
+    densest = grow_tokens(mass, num_tokens=60, budget=14, width=2, seeds=1, taken=taken, shape="densest")
+    assert torch.nonzero(densest).flatten().tolist() == [0, 1, 2, 3, *range(40, 50)]
 
 
 def test_the_cli_offers_every_grow_shape():

@@ -363,7 +363,7 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
     tokens hold the most mass (the best window of the region's own size, regions apart), not around the
     best ``width``-token window. One token the question matches strongly (a name, a number) can win a
     narrow window far from the sentence that answers; a wide window adds up every match of the
-    question. Tokens already taken inside a region are not counted twice.
+    question. Tokens already taken count for no window and are not taken twice.
     """
     import heapq
 
@@ -425,7 +425,10 @@ def _densest_regions(mass: Sequence[torch.Tensor], taken: torch.Tensor, *, budge
     num_tokens, used = len(taken), int(taken.sum())
     size = min(num_tokens, max(width, (budget - used) // max(1, seeds)))
     grid = torch.arange(num_tokens + 1)
-    window = segment_scores(mass, grid[: num_tokens - size + 1], grid[size:], heads).cpu()
+    # What is taken already (kept sinks: the instruction the question attends to) wins no region.
+    free = torch.ones(mass[0].shape[-1], dtype=mass[0].dtype, device=mass[0].device)
+    free[:num_tokens] = (~taken).to(free)
+    window = segment_scores([m * free for m in mass], grid[: num_tokens - size + 1], grid[size:], heads).cpu()
     regions = torch.zeros(num_tokens, dtype=torch.bool)
     placed = 0
     for s in torch.argsort(window, descending=True, stable=True).tolist():
