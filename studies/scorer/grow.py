@@ -6,6 +6,7 @@ the root's exports and SQuAD splits on a fresh machine)::
     python studies/scorer/grow.py --root checkpoints/scorer-study --cells 4096/niah_multikey,2048/squad
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 4096/niah_multikey
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 8192/niah_multikey
+    python studies/scorer/grow.py --name densest --grow-shapes centered,densest --layers 7,9,7+9 --cells 2048/squad
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
 stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
@@ -45,9 +46,11 @@ CELLS = {
 }
 
 
-def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "attention") -> Path:
+def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "attention",
+                      layers: str | None = None) -> Path:
     length, task = cell.split("/")
     start, _, _, layer, count = CELLS[cell]
+    layer = layers or layer
     export = root / "exports" / f"{name}-{length}-{task}"
     if (export / "calibration.json").is_file():
         return export
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = study.cell_parser(__doc__, CELLS)
     parser.add_argument("--full", action="store_true", help="add full attention (4K multikey: its cell has none)")
     parser.add_argument("--name", default="grow", help="names this sweep's export, evaluation and docs folder")
-    parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered)")
+    parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered,densest)")
+    parser.add_argument("--layers", default=None, help="calibrate's --layers, e.g. 7,9,7+9 (default: the cell's one layer)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     study.prepare(root, args.squad)
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in args.cells.split(","):
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
         start, committed, method, _, _ = CELLS[cell]
-        export = calibrated_export(root, cell, args.name, args.grow_shapes)
+        export = calibrated_export(root, cell, args.name, args.grow_shapes, args.layers)
         chosen = json.loads((export / "calibration.json").read_text())["rows"][0]
         if not chosen.get("grow") and committed:
             log(f"cell {cell}: calibration kept whole spans ({chosen['setting']}); {committed} measures that setting")
