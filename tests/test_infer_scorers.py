@@ -181,7 +181,7 @@ def test_sink_mask_marks_the_first_tokens_of_the_context_and_of_every_chunk():
 
 def test_scorer_settings_spellings_and_errors():
     s = ScorerSettings.parse("l2:layers=7+9,heads=max,sinks=4,keep_sinks=yes")
-    assert s == ScorerSettings("l2", (7, 9), "max", 4, True)
+    assert s == ScorerSettings("l2", (7, 9), "max", 4, True) and s.keep_sinks == "spans"
     assert ScorerSettings.parse(s.describe()) == s == ScorerSettings.parse(s.as_dict())
     assert RefillSettings(scorer="bounds:layers=3").scorer.kind == "bounds"
     with pytest.raises(ValueError, match="did you mean 'heads'"):
@@ -320,6 +320,34 @@ def test_the_engine_grows_the_reference_tokens_and_reports_them(shape):
     assert answer.k == 2 and set(torch.nonzero(answer.refilled).flatten().tolist()) == want
     again = engine.answer(cache, q, selected=answer.refilled)
     assert torch.equal(again.first_logits, answer.first_logits)
+
+
+def test_keep_sinks_tokens_keeps_the_first_span_and_only_the_sink_tokens_of_later_chunks():
+    from acre_train.modeling.scorers import question_mass
+
+    model = _model("llama")
+    scorer = ScorerSettings.parse("l2:layers=1,heads=max,sinks=1,keep_sinks=tokens")
+    engine = AcreEngine(model, cache_settings=SETTINGS, refill=RefillSettings(
+        working_window=10 + 4 * 6, scorer=scorer, grow=1, grow_shape="densest", max_new_tokens=2))
+    ctx, q = _ids(46, 6), _ids(6, 7)
+    cache = engine.build(ctx)
+    answer = engine.answer(cache, q)
+    plan, k = engine.open_chunk(cache, q)
+    mass = question_mass(model, cache, engine.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=[1]),
+                         scorer)  # the fast mass, checked against its reference above; here: what is kept
+    # Span 0 (tokens 0-3) whole, then only the sink token of each later chunk (text positions 16, 24, 32);
+    # the rest of the k = 6 spans' 24 tokens goes to one densest region.
+    kept = torch.zeros(40, dtype=torch.bool)
+    kept[[0, 1, 2, 3, 16, 24, 32]] = True
+    want = grow_tokens(mass, num_tokens=40, budget=24, width=4, seeds=1, heads="max", taken=kept, shape="densest")
+    assert k == 6 and torch.equal(answer.refilled, want) and bool(want[kept].all())
+    spans = grow_tokens(mass, num_tokens=40, budget=24, width=4, seeds=1, heads="max", shape="densest",
+                        taken=(torch.arange(40) < 4) | ((torch.arange(40) >= 16) & (torch.arange(40) % 8 < 4)))
+    assert not torch.equal(want, spans)  # keep_sinks=1 (whole spans) would refill other tokens
+    assert scorer.describe() == "l2:layers=1,heads=max,sinks=1,keep_sinks=tokens"
+    assert ScorerSettings.parse(scorer.as_dict()) == scorer
+    with pytest.raises(ValueError, match="keep_sinks must be"):
+        ScorerSettings.parse("l2:sinks=4,keep_sinks=all")
 
 
 @pytest.mark.parametrize("kw,message", [({"scorer": "l1:layers=-1", "grow": 2}, "l2 scorer"),

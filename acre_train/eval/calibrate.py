@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from ..infer.placement import Placement, add_placement_arguments
-from ..modeling.scorers import GROW_SHAPES, ScorerSettings
+from ..modeling.scorers import GROW_SHAPES, KEEP_SINKS, ScorerSettings
 from ..infer.settings import selection_suffix
 
 
@@ -50,7 +50,7 @@ class Candidate:
     def simplicity(self) -> tuple:
         """Lower = simpler (the tie-break): fewer options switched on."""
         s = self.scorer
-        return (int(self.neighbors) + int(self.grow > 0) + int(s.keep_sinks) + int(s.sinks > 0) + int(s.heads != "mean")
+        return (int(self.neighbors) + int(self.grow > 0) + int(bool(s.keep_sinks)) + int(s.sinks > 0) + int(s.heads != "mean")
                 + int(s.learned) + int(self.grow_shape != "attention"), len(s.layers), self.grow)
 
 
@@ -58,11 +58,14 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
           layers: Sequence[int | Sequence[int]] | None = None,
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
           neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = (),
-          grow: Sequence[int] = (), grow_shapes: Sequence[str] = ("attention",)) -> list[Candidate]:
+          grow: Sequence[int] = (), grow_shapes: Sequence[str] = ("attention",),
+          keep_sinks: Sequence[str] = ("spans",)) -> list[Candidate]:
     """The settings to compare. ``layers``: one scoring layer, or a tuple of layers whose scores are
     averaged (one setting); default: every third layer and the last. ``learned_layers``: the layers of
     the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
     token-granular refill, swept beside the span rules for every ``l2`` setting, in each of ``grow_shapes``.
+``keep_sinks``: the ways of keeping sinks swept beside not keeping them (``tokens`` only where tokens are
+grown: for whole spans it is ``spans``).
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
@@ -70,14 +73,18 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
     [(0,), (1, 3)]
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,), learned_layers=(3,)))
     12
+    >>> grid = sweep(4, kinds=("l2",), layers=(0,), heads=("max",), neighbors=(False,), grow=(1,), keep_sinks=("spans", "tokens"))
+    >>> sorted((c.grow, c.scorer.keep_sinks) for c in grid if c.scorer.sinks)
+    [(0, ''), (0, 'spans'), (1, ''), (1, 'spans'), (1, 'tokens')]
     """
     layers = list(layers) if layers is not None else sorted({*range(0, num_layers, 3), num_layers - 1})
     out = []
     grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
     for kind, (layer, learned), pool, near in itertools.product(kinds, grid, heads, neighbors):
-        for sink, keep in ([(0, False)] if kind == "l1" else [(s, k) for s in sinks for k in ((False, True) if s else (False,))]):
+        for sink, keep in ([(0, "")] if kind == "l1" else [(s, k) for s in sinks for k in ("", *keep_sinks) if s or not k]):
             scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned)
-            out.append(Candidate(scorer, bool(near)))
+            if keep != "tokens":
+                out.append(Candidate(scorer, bool(near)))
             if kind == "l2" and not near:
                 out.extend(Candidate(scorer, False, int(g), shape) for g in grow if g > 0 for shape in grow_shapes)
     return out
@@ -195,6 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: every third and the last)")
     parser.add_argument("--heads", default="mean,max", help="head pooling to sweep (default: mean,max)")
     parser.add_argument("--sinks", default="0,4", help="sink tokens per chunk start to sweep (default: 0,4)")
+    parser.add_argument("--keep-sinks", default="spans",
+                        help="ways of keeping the sinks swept beside dropping them: spans, tokens (grown refills "
+                             "only: the first span whole, then each chunk's sink tokens) (default: spans)")
     parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
     parser.add_argument("--grow", default="0,1,2,3,4",
                         help="token-granular refill (l2 scorers): seed counts to sweep, 0 = whole spans (default: 0,1,2,3,4)")
@@ -254,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     candidates = sweep(n_layers, kinds=kinds, layers=_layer_sets(args.layers) if args.layers else None,
                        heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")],
                        learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else (),
-                       grow=_ints(args.grow, "grow"), grow_shapes=_names(args.grow_shapes, GROW_SHAPES, "grow-shapes"))
+                       grow=_ints(args.grow, "grow"), grow_shapes=_names(args.grow_shapes, GROW_SHAPES, "grow-shapes"),
+                       keep_sinks=_names(args.keep_sinks, KEEP_SINKS, "keep-sinks"))
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
     examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,

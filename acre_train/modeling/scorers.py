@@ -17,7 +17,10 @@ Each scorer pools the query heads (``heads: mean | max``), averages over the que
 then over the scoring layers. Raw-key attention is pulled to *attention sinks*, the first tokens of
 the context and of every chunk; ``sinks: N`` leaves the first ``N`` tokens of each out of the
 ranking (out of the softmax for ``l2``, out of the box for ``bounds``), and ``keep_sinks`` refills
-the spans holding them anyway (they then count against ``k``).
+the spans holding them anyway (they then count against ``k``). ``keep_sinks=tokens`` (token-granular
+refill only) keeps the context's first span whole, where the prompt's instruction lies, but only the
+sink tokens themselves of every later chunk: a chunk's first tokens matter as sinks, not as text, and
+whole spans spend most of a small budget on them (at 2K, three spans of a 6-span budget).
 
 ``learned=1`` ranks with the export's learned scorer (``modeling/learned_scorer.py``, trained with
 ``train.refill_loss.params: scorer``): the question's queries pass through its low-rank map before
@@ -52,11 +55,12 @@ class ScorerSettings:
     layers: tuple[int, ...] = (-1,)
     heads: str = "mean"
     sinks: int = 0
-    keep_sinks: bool = False
+    keep_sinks: str = ""  # "": off; "spans": the spans holding the sinks; "tokens": see the module docstring
     learned: bool = False  # rank with the learned query map (modeling/learned_scorer.py) of the export
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        object.__setattr__(self, "keep_sinks", _keep(self.keep_sinks))
         if self.kind not in KINDS:
             raise ValueError(f"unknown scorer {self.kind!r}; choose one of {', '.join(KINDS)}")
         if self.heads not in POOLS:
@@ -86,9 +90,8 @@ class ScorerSettings:
             picked[key] = value
         if "layers" in picked:
             picked["layers"] = _layers(picked["layers"])
-        for flag in ("keep_sinks", "learned"):
-            if flag in picked:
-                picked[flag] = _flag(picked[flag])
+        if "learned" in picked:
+            picked["learned"] = _flag(picked["learned"])
         if "sinks" in picked:
             picked["sinks"] = int(picked["sinks"])
         return cls(**picked)
@@ -117,7 +120,7 @@ class ScorerSettings:
         if self.sinks:
             opts.append(f"sinks={self.sinks}")
         if self.keep_sinks:
-            opts.append("keep_sinks=1")
+            opts.append("keep_sinks=" + ("1" if self.keep_sinks == "spans" else self.keep_sinks))
         if self.learned:
             opts.append("learned=1")
         return f"{self.kind}:{','.join(opts)}"
@@ -135,6 +138,21 @@ def _layers(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(x) for x in value)
+
+
+KEEP_SINKS = ("spans", "tokens")
+
+
+def _keep(value: Any) -> str:
+    """``keep_sinks``: yes/no (yes = ``spans``, the old boolean) or ``spans`` / ``tokens``."""
+    if isinstance(value, str) and value.strip().lower() in KEEP_SINKS:
+        return value.strip().lower()
+    if value == "":
+        return ""
+    try:
+        return "spans" if _flag(value) else ""
+    except ValueError:
+        raise ValueError(f"keep_sinks must be yes/no, spans or tokens, got {value!r}") from None
 
 
 def _flag(value: Any) -> bool:
@@ -539,9 +557,9 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     ``forced [m]`` bool: spans refilled first (with ``keep_sinks``, the sink spans are added to them).
     """
     sinks = forced_spans(cache, scorer)
-    if sinks is not None:
-        forced = sinks if forced is None else (forced | sinks)
-    if not grow:
+    if not grow:  # whole spans: keep_sinks=tokens keeps the spans too (a span is the unit refilled)
+        if sinks is not None:
+            forced = sinks if forced is None else (forced | sinks)
         scores = rank_spans(model, cache, queries, scorer)
         return scores, span_tokens(cache.span_bounds, select_spans(scores, k, neighbors=neighbors, forced=forced))
     if scorer.kind != "l2":
@@ -549,7 +567,13 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     mass = question_mass(model, cache, queries, scorer)
     bounds = cache.span_bounds.to(torch.long)
     scores = segment_scores(mass, bounds[:-1], bounds[1:], scorer.heads)
+    if sinks is not None and scorer.keep_sinks == "spans":
+        forced = sinks if forced is None else (forced | sinks)
     taken = span_tokens(bounds, torch.nonzero(forced).flatten()[:k]) if forced is not None else None
+    if sinks is not None and scorer.keep_sinks == "tokens":
+        kept = cache.sink_tokens(scorer.sinks)[: int(bounds[-1])].cpu()
+        kept[: int(bounds[1]) if len(bounds) > 1 else 0] = True  # the first span whole: the prompt's instruction
+        taken = kept if taken is None else (taken | kept)
     interval = int(torch.diff(bounds).max()) if len(bounds) > 1 else 1
     return scores, grow_tokens(mass, num_tokens=int(bounds[-1]), budget=k * interval, width=interval, seeds=grow,
                                heads=scorer.heads, taken=taken, shape=grow_shape)

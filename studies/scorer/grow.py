@@ -7,6 +7,7 @@ the root's exports and SQuAD splits on a fresh machine)::
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 4096/niah_multikey
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 8192/niah_multikey
     python studies/scorer/grow.py --name densest --grow-shapes centered,densest --layers 7,9,7+9 --cells 2048/squad
+    python studies/scorer/grow.py --name sink-tokens --grow-shapes densest --layers 9,7+9 --keep-sinks spans,tokens --cells 2048/squad
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
 stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
@@ -47,7 +48,7 @@ CELLS = {
 
 
 def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "attention",
-                      layers: str | None = None) -> Path:
+                      layers: str | None = None, keep_sinks: str | None = None) -> Path:
     length, task = cell.split("/")
     start, _, _, layer, count = CELLS[cell]
     layer = layers or layer
@@ -62,7 +63,8 @@ def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "
     shutil.copytree(root / "exports" / start, tmp)
     cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(root / "squad-train.json"),
            "--context-tokens", length, "--num-examples", str(count), "--seed", str(DEV_SEED), "--scorers", "l2",
-           "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--grow-shapes", shapes, "--no-progress"]
+           "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--grow-shapes", shapes, "--no-progress",
+           *(["--keep-sinks", keep_sinks] if keep_sinks else [])]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
     shutil.rmtree(export, ignore_errors=True)
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="grow", help="names this sweep's export, evaluation and docs folder")
     parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered,densest)")
     parser.add_argument("--layers", default=None, help="calibrate's --layers, e.g. 7,9,7+9 (default: the cell's one layer)")
+    parser.add_argument("--keep-sinks", default=None, help="calibrate's --keep-sinks, e.g. spans,tokens (default: spans)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     study.prepare(root, args.squad)
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in args.cells.split(","):
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
         start, committed, method, _, _ = CELLS[cell]
-        export = calibrated_export(root, cell, args.name, args.grow_shapes, args.layers)
+        export = calibrated_export(root, cell, args.name, args.grow_shapes, args.layers, args.keep_sinks)
         chosen = json.loads((export / "calibration.json").read_text())["rows"][0]
         if not chosen.get("grow") and committed:
             log(f"cell {cell}: calibration kept whole spans ({chosen['setting']}); {committed} measures that setting")

@@ -55,7 +55,7 @@ class Acre(EvalMethod):
     layers: str = ""  # scoring layers, "7+9"
     heads: str = ""  # mean | max
     sinks: int = -1
-    keep_sinks: int = -1
+    keep_sinks: str = ""  # 0 | 1 (= spans) | spans | tokens ("": the export's)
     neighbors: int = -1
     grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
     grow_shape: str = ""  # attention | centered | densest ("": the export's)
@@ -92,8 +92,8 @@ class Acre(EvalMethod):
             changes["heads"] = self.heads
         if self.sinks >= 0:
             changes["sinks"] = self.sinks
-        if self.keep_sinks >= 0:
-            changes["keep_sinks"] = bool(self.keep_sinks)
+        if self.keep_sinks:
+            changes["keep_sinks"] = self.keep_sinks
         return replace(base, **changes)
 
     def overrides(self) -> dict[str, int]:
