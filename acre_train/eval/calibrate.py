@@ -64,8 +64,8 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
     averaged (one setting); default: every third layer and the last. ``learned_layers``: the layers of
     the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
     token-granular refill, swept beside the span rules for every ``l2`` setting, in each of ``grow_shapes``.
-``keep_sinks``: the ways of keeping sinks swept beside not keeping them (``tokens`` only where tokens are
-grown: for whole spans it is ``spans``).
+    ``keep_sinks``: the ways of keeping sinks swept beside not keeping them (``tokens`` only where tokens
+    are grown: for whole spans it is ``spans``).
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8

@@ -20,7 +20,8 @@ ranking (out of the softmax for ``l2``, out of the box for ``bounds``), and ``ke
 the spans holding them anyway (they then count against ``k``). ``keep_sinks=tokens`` (token-granular
 refill only) keeps the context's first span whole, where the prompt's instruction lies, but only the
 sink tokens themselves of every later chunk: a chunk's first tokens matter as sinks, not as text, and
-whole spans spend most of a small budget on them (at 2K, three spans of a 6-span budget).
+whole spans spend much of a small budget on them (at 2K, three spans of a 6-span budget). The
+tokens after the first few still draw mass, so calibrate it with ``sinks`` (docs/real-base.md).
 
 ``learned=1`` ranks with the export's learned scorer (``modeling/learned_scorer.py``, trained with
 ``train.refill_loss.params: scorer``): the question's queries pass through its low-rank map before
