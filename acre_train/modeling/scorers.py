@@ -558,9 +558,10 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     ``forced [m]`` bool: spans refilled first (with ``keep_sinks``, the sink spans are added to them).
     """
     sinks = forced_spans(cache, scorer)
-    if not grow:  # whole spans: keep_sinks=tokens keeps the spans too (a span is the unit refilled)
-        if sinks is not None:
-            forced = sinks if forced is None else (forced | sinks)
+    # keep_sinks=tokens keeps whole spans where a span is the unit refilled (no grow).
+    if sinks is not None and (not grow or scorer.keep_sinks == "spans"):
+        forced = sinks if forced is None else (forced | sinks)
+    if not grow:
         scores = rank_spans(model, cache, queries, scorer)
         return scores, span_tokens(cache.span_bounds, select_spans(scores, k, neighbors=neighbors, forced=forced))
     if scorer.kind != "l2":
@@ -568,8 +569,6 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     mass = question_mass(model, cache, queries, scorer)
     bounds = cache.span_bounds.to(torch.long)
     scores = segment_scores(mass, bounds[:-1], bounds[1:], scorer.heads)
-    if sinks is not None and scorer.keep_sinks == "spans":
-        forced = sinks if forced is None else (forced | sinks)
     taken = span_tokens(bounds, torch.nonzero(forced).flatten()[:k]) if forced is not None else None
     if sinks is not None and scorer.keep_sinks == "tokens":
         kept = cache.sink_tokens(scorer.sinks)[: int(bounds[-1])].cpu()
