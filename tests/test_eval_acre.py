@@ -242,11 +242,11 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     table = json.loads((export / "calibration.json").read_text())
     best = table["rows"][0]
     # 3 layer sets (0, 1, and both averaged as one setting). l1: layers x heads x nb; l2/bounds: x sinks
-    # (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too, by attention, centred or densest
-    assert len(table["rows"]) == 3 * 2 * 2 + 2 * 3 * 2 * 2 * 3 + 3 * 2 * 3 * 4 * 3
+    # (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too, by attention, centred, densest or sentences
+    assert len(table["rows"]) == 3 * 2 * 2 + 2 * 3 * 2 * 2 * 3 + 3 * 2 * 3 * 4 * 4
     assert {tuple(r["scorer"]["layers"]) for r in table["rows"]} == {(0,), (1,), (0, 1)}
     assert {r["grow"] for r in table["rows"] if r["scorer"]["kind"] == "l2"} == {0, 1, 2, 3, 4}
-    assert {r["grow_shape"] for r in table["rows"] if r["grow"]} == {"attention", "centered", "densest"}
+    assert {r["grow_shape"] for r in table["rows"] if r["grow"]} == {"attention", "centered", "densest", "sentences"}
     assert all(best["covered"] >= r["covered"] for r in table["rows"]) and best["n"] == 4
     stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
     assert stored["scorer"] == best["scorer"] and (stored["neighbors"], stored["grow"], stored["grow_shape"]) == \

@@ -197,13 +197,16 @@ def test_scorer_settings_spellings_and_errors():
 # ------------------------------------------------------------------------------ grown refills
 
 def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, width: int, seeds: int, heads: str,
-                    taken: set[int] | None = None, shape: str = "attention") -> set[int]:
+                    taken: set[int] | None = None, shape: str = "attention", ends: list[bool] | None = None) -> set[int]:
     """Written from grow_tokens' docstring: seeds best first, each ``width`` clear of what is taken, then
     the untaken token next to a taken one with the most mass, one at a time (ties: the earlier token).
     ``centered``: each seed instead takes the free budget's even share, centred on it, kept inside the
     context, and nothing grows. ``densest``: each region is the window of that share with the most mass
     on untaken tokens (best first, ties: the earlier), not overlapping an earlier region; its untaken
-    tokens come back."""
+    tokens come back. ``sentences``: each densest window is replaced by the run of whole sentences (at
+    most the window's size, overlapping it) with the most mass on untaken tokens (ties: the earlier), or, in a
+    sentence longer than the window, the window of that size inside it overlapping it; then widened by
+    half the share left over on each side (the odd token after it), clipped to the context."""
     def score(a: int, b: int) -> float:
         per_layer = []
         for table in mass:
@@ -214,7 +217,7 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
 
     taken = set(taken or ())
     share = max(width, (budget - len(taken)) // seeds) if shape != "attention" else width
-    if shape == "densest":
+    if shape in ("densest", "sentences"):
         untaken = torch.ones(mass[0].shape[-1])
         untaken[list(taken)] = 0.0
         mass = [table * untaken for table in mass]  # taken tokens add nothing to a window
@@ -224,7 +227,8 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
                 break
             if regions & set(range(s, s + share)):
                 continue
-            taken |= set([t for t in range(s, s + share) if t not in taken][: budget - len(taken)])
+            a, b = (s, s + share) if shape == "densest" else _on_sentences_reference(score, ends[:num_tokens], s, share)
+            taken |= set([t for t in range(a, b) if t not in taken][: budget - len(taken)])
             regions |= set(range(s, s + share))
             seeds -= 1
         return taken
@@ -250,23 +254,59 @@ def _grow_reference(mass: list[torch.Tensor], num_tokens: int, budget: int, widt
     return taken
 
 
-@pytest.mark.parametrize("shape", ["attention", "centered", "densest"])
+def _on_sentences_reference(score, ends: list[bool], start: int, size: int) -> tuple[int, int]:
+    n = len(ends)
+    sentences, a = [], 0
+    for t in range(n):
+        if ends[t] or t == n - 1:
+            sentences.append((a, t + 1))
+            a = t + 1
+    runs = set()
+    for i in range(len(sentences)):
+        for j in range(i, len(sentences)):
+            a, b = sentences[i][0], sentences[j][1]
+            if b - a <= size:
+                runs.add((a, b))
+            elif i == j:  # one sentence longer than the window: the windows of that size inside it
+                runs |= {(x, x + size) for x in range(a, b - size + 1)}
+    near = [(a, b) for a, b in runs if a < start + size and b > start]
+    a, b = max(near, key=lambda r: (score(*r), -r[0]))
+    left = size - (b - a)
+    return max(0, a - left // 2), min(n, b + left - left // 2)
+
+
+class _EveryThird:
+    """A tokenizer's decode under which the ids 2, 5, 8, ... end a sentence (their text ends in a full stop)."""
+
+    def decode(self, ids, **_):
+        return "".join(" w." if t % 3 == 2 else " w" for t in ids)
+
+
+def _sentence_ends_of(num_tokens: int, seed: int) -> list[bool]:
+    gen = torch.Generator().manual_seed(100 + seed)
+    return (torch.rand(num_tokens, generator=gen) < 0.15).tolist()  # sentences of ~7 tokens, some longer
+
+
+@pytest.mark.parametrize("shape", ["attention", "centered", "densest", "sentences"])
 @pytest.mark.parametrize("seeds,heads,forced", [(1, "max", ()), (2, "mean", ()), (3, "max", (5, 6, 7)), (2, "max", tuple(range(40)))])
 def test_grown_refill_equals_its_reference(seeds, heads, forced, shape):
     gen = torch.Generator().manual_seed(seeds)
     mass = [torch.softmax(torch.randn(4, 3, 60, generator=gen) * 3, -1) for _ in range(2)]
     taken = torch.zeros(56, dtype=torch.bool)
     taken[list(forced)] = True
+    ends = _sentence_ends_of(60, seeds)
     got = grow_tokens(mass, num_tokens=56, budget=24, width=4, seeds=seeds, heads=heads, taken=taken if forced else None,
-                      shape=shape)
-    want = _grow_reference(mass, 56, 24, 4, seeds, heads, set(forced), shape)
+                      shape=shape, sentence_ends=torch.tensor(ends))
+    want = _grow_reference(mass, 56, 24, 4, seeds, heads, set(forced), shape, ends)
     assert set(torch.nonzero(got).flatten().tolist()) == want
     if shape == "attention" or forced == tuple(range(40)):
         assert int(got.sum()) == max(24, len(forced))
     elif shape == "centered":  # regions of 24 // seeds tokens, one per seed (none overlap here)
         assert int(got.sum()) == len(forced) + seeds * ((24 - len(forced)) // seeds)
-    else:  # disjoint regions of that share; a region over a forced token brings back fewer new ones
+    elif shape == "densest":  # disjoint regions of that share; a region over a forced token brings back fewer new ones
         assert len(forced) < int(got.sum()) <= len(forced) + seeds * ((24 - len(forced)) // seeds)
+    else:  # moved onto sentences, regions may meet: never more than the budget
+        assert len(forced) < int(got.sum()) <= 24
 
 
 def test_a_centered_region_lies_around_its_seed_and_inside_the_context():
@@ -295,6 +335,39 @@ def test_a_densest_region_adds_up_the_question_s_matches_where_a_narrow_seed_wou
     assert torch.nonzero(densest).flatten().tolist() == [0, 1, 2, 3, *range(40, 50)]
 
 
+def test_a_sentence_region_takes_the_whole_sentence_a_densest_window_would_cut():
+    mass = [torch.zeros(1, 1, 60)]
+    mass[0][0, 0, 18:30] = 0.2  # the question's words: the end of one sentence and the start of the next
+    mass[0][0, 0, 30:40] = 0.05  # ... which answers
+    ends = torch.zeros(60, dtype=torch.bool)
+    ends[[9, 23, 39, 49]] = True  # sentences 0-9, 10-23, 24-39, 40-49, 50-59
+    densest = grow_tokens(mass, num_tokens=60, budget=16, width=2, seeds=1, shape="densest")
+    assert torch.nonzero(densest).flatten().tolist() == list(range(18, 34))  # cuts 24-39 at 34
+    got = grow_tokens(mass, num_tokens=60, budget=16, width=2, seeds=1, shape="sentences", sentence_ends=ends)
+    assert torch.nonzero(got).flatten().tolist() == list(range(24, 40))
+    with pytest.raises(ValueError, match="sentence ends"):
+        grow_tokens(mass, num_tokens=60, budget=16, width=2, seeds=1, shape="sentences")
+
+
+def test_sentence_ends_come_from_the_tokens_text_and_travel_with_a_saved_cache(tmp_path):
+    from acre_train.infer.sentences import sentence_ends
+
+    class Words:  # a tokenizer's decode: every id is a word; 7 ends a sentence, 11 starts with no space
+        def decode(self, ids):
+            return {7: " end.", 11: ".5", 13: "\n"}.get(ids[0] % 20, " w")
+
+    ids = [1, 7, 2, 3, 7, 11, 4, 13, 5, 27]
+    assert sentence_ends(Words(), ids).tolist() == [False, True, False, False, False, False, False, True, False, True]
+    model = _model("qwen2")
+    engine = AcreEngine(model, Words(), cache_settings=SETTINGS, refill=RefillSettings(working_window=18))
+    ctx = _ids(42, 6)
+    cache = engine.build(ctx)
+    assert torch.equal(cache.sentence_ends, sentence_ends(Words(), ctx)[: cache.num_l2])
+    loaded = engine.load_cache(cache.save(tmp_path / "c.safetensors"))
+    assert torch.equal(loaded.sentence_ends, cache.sentence_ends)
+    assert AcreEngine(model, cache_settings=SETTINGS).build(ctx).sentence_ends is None  # ids alone: not known
+
+
 def test_the_cli_offers_every_grow_shape():
     from acre_train.cli import build_parser_for
     from acre_train.modeling.scorers import GROW_SHAPES
@@ -304,19 +377,20 @@ def test_the_cli_offers_every_grow_shape():
         assert build_parser_for(argv).parse_args(argv).grow_shape == shape
 
 
-@pytest.mark.parametrize("shape", ["attention", "centered", "densest"])
+@pytest.mark.parametrize("shape", ["attention", "centered", "densest", "sentences"])
 def test_the_engine_grows_the_reference_tokens_and_reports_them(shape):
     model = _model("qwen2")
     scorer = ScorerSettings.parse("l2:layers=0+1,heads=max,sinks=1")
     # W = 18 with m = 10 L1 entries: k = 2 spans of 4 -> 8 tokens grown from one seed.
-    engine = AcreEngine(model, cache_settings=SETTINGS,
+    engine = AcreEngine(model, _EveryThird(), cache_settings=SETTINGS,
                         refill=RefillSettings(working_window=18, scorer=scorer, grow=1, grow_shape=shape, max_new_tokens=2))
     ctx, q = _ids(42, 6), _ids(6, 7)
     cache = engine.build(ctx)
     answer = engine.answer(cache, q)
     mass: list = []
     _reference(model, ctx, q, scorer, mass)
-    want = _grow_reference(mass, int(cache.span_bounds[-1]), 8, 4, 1, "max", shape=shape)
+    want = _grow_reference(mass, int(cache.span_bounds[-1]), 8, 4, 1, "max", shape=shape,
+                           ends=[t % 3 == 2 for t in ctx])
     assert answer.k == 2 and set(torch.nonzero(answer.refilled).flatten().tolist()) == want
     again = engine.answer(cache, q, selected=answer.refilled)
     assert torch.equal(again.first_logits, answer.first_logits)

@@ -208,9 +208,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
     parser.add_argument("--grow", default="0,1,2,3,4",
                         help="token-granular refill (l2 scorers): seed counts to sweep, 0 = whole spans (default: 0,1,2,3,4)")
-    parser.add_argument("--grow-shapes", default="attention,centered,densest",
+    parser.add_argument("--grow-shapes", default="attention,centered,densest,sentences",
                         help="how grown regions take their tokens, swept for every seed count "
-                             "(default: attention,centered,densest)")
+                             "(default: attention,centered,densest,sentences)")
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)

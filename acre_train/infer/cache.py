@@ -66,6 +66,9 @@ class BiLayerCache:
     # its own tokens. None: the tail re-runs with every question, over the refilled cache.
     tail_keys: torch.Tensor | None = None
     tail_values: torch.Tensor | None = None
+    # [N2] bool: the L2 tokens that end a sentence (infer/sentences.py), for refill.grow_shape=sentences;
+    # set by an engine that has the tokenizer. None: not known (built from ids alone).
+    sentence_ends: torch.Tensor | None = None
 
     def tail_plan(self):
         """The raw tail interleaved as the start of the open chunk (what every question continues)."""
@@ -137,6 +140,8 @@ class BiLayerCache:
             tensors[f"box.{name}.min"], tensors[f"box.{name}.max"] = low, high
         if self.tail_keys is not None:
             tensors["tail_keys"], tensors["tail_values"] = self.tail_keys, self.tail_values
+        if self.sentence_ends is not None:
+            tensors["sentence_ends"] = self.sentence_ends.to(torch.bool)
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
                 "carry": self.carry, "num_context_tokens": self.num_context_tokens,
@@ -190,6 +195,7 @@ class BiLayerCache:
             num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
             boxes=boxes, tail_keys=t["tail_keys"].to(device) if "tail_keys" in t else None,
             tail_values=t["tail_values"].to(device) if "tail_values" in t else None,
+            sentence_ends=t.get("sentence_ends"),
         )
 
 

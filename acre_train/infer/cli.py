@@ -36,10 +36,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                    help="refill tokens, not whole spans (l2 scorers): the N best windows of l tokens grow toward their "
                         "most-attended neighbouring tokens, same k*l budget; 0 = whole spans (default: the export's)")
     # The choices are scorers.GROW_SHAPES, spelled out: printing --help imports no torch.
-    g.add_argument("--grow-shape", default=None, choices=("attention", "centered", "densest"),
+    g.add_argument("--grow-shape", default=None, choices=("attention", "centered", "densest", "sentences"),
                    help="how --grow regions take their tokens: toward the most-attended neighbour (attention), "
                         "k*l/N tokens centred on each seed (centered), or the N windows of k*l/N tokens holding the "
-                        "most mass (densest); default: the export's, else attention")
+                        "most mass (densest), those windows moved onto whole sentences (sentences); default: the "
+                        "export's, else attention")
     g.add_argument("--positions", default=None, choices=("compact", "text"),
                    help="where the refilled cache is rotated: contiguous from 0 (compact, the layout stage 2 trains "
                         "in) or at each token's place in the context (text: refilled spans keep their distances, "

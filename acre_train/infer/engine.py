@@ -25,6 +25,7 @@ from .refill import assemble, num_selected
 from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
 from ..modeling.scorers import QuestionQueries, ScorerSettings, choose_refill, rank_spans, span_tokens, spans_with
+from .sentences import sentence_ends
 from .settings import CacheSettings, RefillSettings
 
 
@@ -112,6 +113,7 @@ class AcreEngine:
         self.close_tail = close_tail
         self.device = execution_device(model)
         self._fingerprint: str | None = None
+        self._pieces: dict[int, str] = {}  # each token id's text, for sentence ends (decoded once per engine)
 
     @property
     def fingerprint(self) -> str:
@@ -129,6 +131,8 @@ class AcreEngine:
                             progress=progress, kernel_backend=self.backend)
         if self.close_tail and cache.tail_ids:
             self._close_tail(cache)
+        if self.tokenizer is not None:  # what refill.grow_shape=sentences snaps to (ids past L2: the next token's space)
+            cache.sentence_ends = sentence_ends(self.tokenizer, ids, self._pieces)[: cache.num_l2]
         scorer = self.refill.scorer
         if scorer.kind == "bounds":  # the boxes are part of the cache: made once, saved with it
             for layer in scorer.resolved_layers(self.model.config.num_hidden_layers):

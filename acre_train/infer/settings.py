@@ -46,7 +46,8 @@ class RefillSettings:
     (``modeling/scorers.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
     ``grow_shape``: ``attention`` (grow toward the most-attended neighbouring token), ``centered``
     (each seed brings ``k * l / grow`` tokens centred on it) or ``densest`` (``grow`` disjoint windows of
-    ``k * l / grow`` tokens holding the most mass).
+    ``k * l / grow`` tokens holding the most mass) or ``sentences`` (those windows moved onto whole
+    sentences; needs a cache built with the tokenizer).
     ``positions``: ``compact`` rotates the refilled cache at ``0..P-1`` (DESIGN.md §5); ``text`` at each
     token's index in the whole context, so refilled spans keep their distances in the text (the context
     must then fit the base's native window; ``infer/refill.py:POSITIONS``).
