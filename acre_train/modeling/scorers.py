@@ -615,7 +615,7 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     bounds = cache.span_bounds.to(torch.long)
     scores = segment_scores(mass, bounds[:-1], bounds[1:], scorer.heads)
     taken = span_tokens(bounds, torch.nonzero(forced).flatten()[:k]) if forced is not None else None
-    ends = getattr(cache, "sentence_ends", None) if grow_shape == "sentences" else None
+    ends = cache.sentence_ends if grow_shape == "sentences" else None
     if sinks is not None and scorer.keep_sinks == "tokens":
         kept = cache.sink_tokens(scorer.sinks)[: int(bounds[-1])].cpu()
         kept[: int(bounds[1]) if len(bounds) > 1 else 0] = True  # the first span whole: the prompt's instruction
