@@ -242,8 +242,10 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     table = json.loads((export / "calibration.json").read_text())
     best = table["rows"][0]
     # 3 layer sets (0, 1, and both averaged as one setting). l1: layers x heads x nb; l2/bounds: x sinks
-    # (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too, by attention, centred, densest or sentences
-    assert len(table["rows"]) == 3 * 2 * 2 + 2 * 3 * 2 * 2 * 3 + 3 * 2 * 3 * 4 * 4
+    # (0, 2, 2+keep); l2 without neighbours: grown from 1-4 seeds too, by attention, centred, densest or sentences;
+    # every one pooling all question tokens or the question's own words
+    assert len(table["rows"]) == 2 * (3 * 2 * 2 + 2 * 3 * 2 * 2 * 3 + 3 * 2 * 3 * 4 * 4)
+    assert {r["scorer"]["query"] for r in table["rows"]} == {"all", "question"}
     assert {tuple(r["scorer"]["layers"]) for r in table["rows"]} == {(0,), (1,), (0, 1)}
     assert {r["grow"] for r in table["rows"] if r["scorer"]["kind"] == "l2"} == {0, 1, 2, 3, 4}
     assert {r["grow_shape"] for r in table["rows"] if r["grow"]} == {"attention", "centered", "densest", "sentences"}

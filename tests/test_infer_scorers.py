@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from acre_train.data.prompt import PromptFormat
 from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings
 from acre_train.modeling.scorers import ScorerSettings, grow_tokens, select_spans, sink_mask
 from acre_train.modeling import acre_forward, interleave
@@ -28,10 +29,11 @@ def _rope(x: torch.Tensor, positions, theta: float) -> torch.Tensor:
     return x * torch.cos(angle) + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * torch.sin(angle)
 
 
-def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = None
+def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = None, own: list[bool] | None = None
                ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Scores from the plain plan of context + question, computed token by token, head by head
-    (``token_mass``: filled with the ``l2`` scorer's per-token table ``[H, n, N]`` of every layer)."""
+    (``token_mass``: filled with the ``l2`` scorer's per-token table ``[H, n, N]`` of every layer;
+    ``own``: per question token, whether it is pooled, as ``query=question`` does)."""
     plan = interleave(ctx + q, first_chunk=16, stride=8, intervals=4)
     captured = {}
     with torch.no_grad():
@@ -43,6 +45,8 @@ def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = 
     l1_rows = [i for i in rows if plan.is_l1[i] and plan.chunk_ids[i] < finished_chunks]
     raw_rows = [i for i in rows if not plan.is_l1[i] and plan.chunk_ids[i] < finished_chunks]
     q_rows = [i for i in rows if plan.raw_index[i] >= len(ctx)]
+    if own is not None:
+        q_rows = [i for i in q_rows if own[int(plan.raw_index[i]) - len(ctx)]]
     # Span j: the raw tokens between L1 token j - 1 and L1 token j.
     spans, start = [], 0
     for i in l1_rows:
@@ -111,6 +115,35 @@ def test_each_scorer_equals_its_reference(spec, arch):
     want, spans = _reference(model, ctx, q, scorer)
     assert cache.span_bounds.tolist() == [s for s, _ in spans] + [spans[-1][1]]
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+class _Words(PromptFormat):
+    """A prompt without a tokenizer that knows which tokens of one question are its own words."""
+
+    def __init__(self, q: list[int], own: list[bool]):
+        super().__init__(None)
+        self.q, self.own = q, own
+
+    def question_words(self, q_ids):
+        return self.own if list(q_ids) == self.q else None
+
+
+@pytest.mark.parametrize("spec", ["l1:layers=0+1,heads=max", "l2:layers=0+1,heads=max,sinks=2", "bounds:layers=1"])
+def test_query_question_pools_only_the_question_s_own_words(spec):
+    model = _model("qwen2")
+    ctx, q = _ids(42, 6), _ids(6, 7)
+    own = [False, True, True, True, False, False]  # template lead-in, the question's words, end of turn
+    scorer = ScorerSettings.parse(spec + ",query=question")
+    engine = AcreEngine(model, cache_settings=SETTINGS, refill=RefillSettings(scorer=scorer), prompt=_Words(q, own))
+    cache = engine.build(ctx)
+    q_plan = interleave(cache.tail_ids + q, first_chunk=100, stride=100, intervals=4, carry_in=cache.carry)
+    got = engine.scores(cache, q_plan, num_tail=len(cache.tail_ids), scorer=scorer)
+    want, _ = _reference(model, ctx, q, scorer, own=own)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    every, _ = _reference(model, ctx, q, ScorerSettings.parse(spec))
+    assert not torch.allclose(want, every, atol=1e-4)  # the template's tokens did count before
+    with pytest.raises(ValueError, match="own words"):  # not known: an error, not a silent fallback
+        AcreEngine(model, cache_settings=SETTINGS, refill=RefillSettings(working_window=18, scorer=scorer)).answer(cache, q)
 
 
 def test_the_engine_refills_the_reference_top_k_and_bounds_travel_with_a_saved_cache(tmp_path):

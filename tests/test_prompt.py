@@ -75,3 +75,19 @@ def test_real_base_tokenizer_renders_training_and_inference_alike():
     from acre_train.data.tokenizer import auto_tokenizer
 
     _check(auto_tokenizer(str(folder)))
+
+
+@pytest.mark.parametrize("question", ["Who wrote the book?", "When did the war end", "What is 'x'?"])
+def test_question_words_are_the_question_s_own_tokens_and_nothing_of_the_template(question):
+    tok = tiny_tokenizer()
+    prompt = PromptFormat(tok)
+    ids = prompt.question_ids(question)
+    words = prompt.question_words(ids)
+    assert words is not None and len(words) == len(ids)
+    own = [t for t, w in zip(ids, words) if w]
+    first, last = words.index(True), len(words) - words[::-1].index(True)
+    assert first > 0 and all(words[first:last]) and last < len(words)  # one run, inside the template
+    assert tok.decode(own).strip() == question
+    assert "Answer the question" in tok.decode(ids[: words.index(True)])
+    assert prompt.question_words(ids[:-1]) is None  # not in the template: not guessed
+    assert PromptFormat(None).question_words(ids) is None

@@ -136,3 +136,9 @@ def test_a_packed_sample_is_the_sum_of_its_single_questions():
     torch.testing.assert_close(losses[0][0], losses[1][0], atol=1e-5, rtol=1e-6)
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)
+
+
+def test_training_refuses_a_scorer_that_needs_the_question_s_text():
+    """The training pass has token ids only: query=question would select otherwise than the export answers."""
+    with pytest.raises(ValueError, match="query=all only"):
+        _settings(scorer=ScorerSettings.parse("l2:layers=1,query=question"))

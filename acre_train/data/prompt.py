@@ -12,7 +12,7 @@ it was trained on (``tests/test_prompt.py`` checks this token for token).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 QUESTION_TEMPLATE = "\n\nAnswer the question using the context above.\nQuestion: {question}"
 _SENTINEL = "\u2063ACRE-CONTEXT\u2063"
@@ -53,6 +53,7 @@ class PromptFormat:
     def __init__(self, tokenizer: Any, system_prompt: str | None = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self._template: tuple[list[int], list[int]] | None = None  # question_words' lead-in and end ids
 
     def split(self, question: str, instruction: str | None = None) -> tuple[str, str]:
         """(text before the context, text after it) of the rendered prompt, generation prompt included."""
@@ -87,6 +88,28 @@ class PromptFormat:
     def question_ids(self, question: str) -> list[int]:
         """Tokens after the context: the question, the end of the user turn, the generation prompt."""
         return self.encode(self.split(question)[1])
+
+    def question_words(self, q_ids: Sequence[int]) -> list[bool] | None:
+        """Which of ``q_ids`` (as :meth:`question_ids` writes them) are the question's own words, not the
+        template around them (``QUESTION_TEMPLATE``'s lead-in, the end of turn, the generation prompt).
+        None when ``q_ids`` does not sit in this template, or there is no tokenizer.
+
+        The template's tokens are found once, as what two different questions' ids share at either
+        end: a tokenizer that merges across the question's edge shifts the boundary by a token, and
+        the check below then still holds.
+        """
+        if self.tokenizer is None:
+            return None
+        if self._template is None:
+            a, b = self.question_ids("What is it?"), self.question_ids("Zebra count 1990")  # no end in common
+            head = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 0)
+            tail = next((i for i, (x, y) in enumerate(zip(reversed(a), reversed(b))) if x != y), 0)
+            self._template = (a[:head], a[len(a) - tail:])
+        head, tail = self._template
+        ids = list(q_ids)
+        if len(ids) <= len(head) + len(tail) or ids[: len(head)] != head or ids[len(ids) - len(tail):] != tail:
+            return None
+        return [False] * len(head) + [True] * (len(ids) - len(head) - len(tail)) + [False] * len(tail)
 
     def stop_ids(self, config: Any) -> set[int]:
         """Where an answer ends: :func:`stop_token_ids` of this tokenizer and ``config``."""

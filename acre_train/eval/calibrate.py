@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from ..infer.placement import Placement, add_placement_arguments
-from ..modeling.scorers import GROW_SHAPES, KEEP_SINKS, ScorerSettings
+from ..modeling.scorers import GROW_SHAPES, KEEP_SINKS, QUERIES, ScorerSettings
 from ..infer.settings import selection_suffix
 
 
@@ -51,7 +51,7 @@ class Candidate:
         """Lower = simpler (the tie-break): fewer options switched on."""
         s = self.scorer
         return (int(self.neighbors) + int(self.grow > 0) + int(bool(s.keep_sinks)) + int(s.sinks > 0) + int(s.heads != "mean")
-                + int(s.learned) + int(self.grow_shape != "attention"), len(s.layers), self.grow)
+                + int(s.learned) + int(self.grow_shape != "attention") + int(s.query != "all"), len(s.layers), self.grow)
 
 
 def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
@@ -59,13 +59,14 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
           neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = (),
           grow: Sequence[int] = (), grow_shapes: Sequence[str] = ("attention",),
-          keep_sinks: Sequence[str] = ("spans",)) -> list[Candidate]:
+          keep_sinks: Sequence[str] = ("spans",), queries: Sequence[str] = ("all",)) -> list[Candidate]:
     """The settings to compare. ``layers``: one scoring layer, or a tuple of layers whose scores are
     averaged (one setting); default: every third layer and the last. ``learned_layers``: the layers of
     the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
     token-granular refill, swept beside the span rules for every ``l2`` setting, in each of ``grow_shapes``.
     ``keep_sinks``: the ways of keeping sinks swept beside not keeping them (``tokens`` only where tokens
-    are grown: for whole spans it is ``spans``).
+    are grown: for whole spans it is ``spans``). ``queries``: which of the question's tokens every setting
+    pools over, ``all`` and/or ``question`` (its own words, not the template around it).
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
@@ -76,13 +77,15 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
     >>> grid = sweep(4, kinds=("l2",), layers=(0,), heads=("max",), neighbors=(False,), grow=(1,), keep_sinks=("spans", "tokens"))
     >>> sorted((c.grow, c.scorer.keep_sinks) for c in grid if c.scorer.sinks)
     [(0, ''), (0, 'spans'), (1, ''), (1, 'spans'), (1, 'tokens')]
+    >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,), queries=("all", "question")))
+    16
     """
     layers = list(layers) if layers is not None else sorted({*range(0, num_layers, 3), num_layers - 1})
     out = []
     grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
-    for kind, (layer, learned), pool, near in itertools.product(kinds, grid, heads, neighbors):
+    for kind, (layer, learned), pool, near, query in itertools.product(kinds, grid, heads, neighbors, queries):
         for sink, keep in ([(0, "")] if kind == "l1" else [(s, k) for s in sinks for k in ("", *keep_sinks) if s or not k]):
-            scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned)
+            scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned, query)
             if keep != "tokens":
                 out.append(Candidate(scorer, bool(near)))
             if kind == "l2" and not near:
@@ -211,6 +214,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grow-shapes", default="attention,centered,densest,sentences",
                         help="how grown regions take their tokens, swept for every seed count "
                              "(default: attention,centered,densest,sentences)")
+    parser.add_argument("--queries", default="all,question",
+                        help="which question tokens each setting pools over: all (the template around the question "
+                             "too) and/or question (its own words) (default: all,question)")
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -265,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
                        heads=heads, sinks=_ints(args.sinks, "sinks"), neighbors=[bool(x) for x in _ints(args.neighbors, "neighbors")],
                        learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else (),
                        grow=_ints(args.grow, "grow"), grow_shapes=_names(args.grow_shapes, GROW_SHAPES, "grow-shapes"),
-                       keep_sinks=_names(args.keep_sinks, KEEP_SINKS, "keep-sinks"))
+                       keep_sinks=_names(args.keep_sinks, KEEP_SINKS, "keep-sinks"),
+                       queries=_names(args.queries, QUERIES, "queries"))
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
     examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,

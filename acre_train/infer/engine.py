@@ -275,9 +275,11 @@ class AcreEngine:
                                                                     cache.l1_values[layer][None]), capture=capture)
         except _StopForward:
             pass
+        q_ids = plan.input_ids[rows_np].tolist()
         return QuestionQueries(by_layer=queries,
                                memory_positions=torch.as_tensor(plan.positions[rows_np] + m, dtype=torch.long),
-                               text_positions=torch.as_tensor(plan.raw_index[rows_np] + cache.num_l2, dtype=torch.long))
+                               text_positions=torch.as_tensor(plan.raw_index[rows_np] + cache.num_l2, dtype=torch.long),
+                               find_own=lambda: self.prompt.question_words(q_ids))
 
     # --------------------------------------------------------------------------------- internals
 

@@ -23,6 +23,14 @@ sink tokens themselves of every later chunk: a chunk's first tokens matter as si
 whole spans spend much of a small budget on them (at 2K, three spans of a 6-span budget). The
 tokens after the first few still draw mass, so calibrate it with ``sinks`` (docs/real-base.md).
 
+``query=question`` pools over the question's own words only. By default (``all``) every token
+after the context counts: the template's lead-in ("Answer the question using the context above"),
+the end of turn and the generation prompt too. Those tokens are the same for every question and
+attend mostly to the context's last sentences, so with a mean over tokens they pull a refill toward
+the context's end whatever was asked (dev 2K SQuAD: a densest window touched the context's last
+40 tokens for 24 of 100 questions with ``all``, 19 with ``question``; docs/real-base.md). The engine
+finds the question's words in the ids :class:`~acre_train.data.prompt.PromptFormat` writes.
+
 ``learned=1`` ranks with the export's learned scorer (``modeling/learned_scorer.py``, trained with
 ``train.refill_loss.params: scorer``): the question's queries pass through its low-rank map before
 any of the three scorers; nothing else changes, decoding never sees it.
@@ -39,7 +47,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -47,6 +55,7 @@ from ..errors import key_hint
 
 KINDS = ("l1", "l2", "bounds")
 POOLS = ("mean", "max")
+QUERIES = ("all", "question")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class ScorerSettings:
     sinks: int = 0
     keep_sinks: str = ""  # "": off; "spans": the spans holding the sinks; "tokens": see the module docstring
     learned: bool = False  # rank with the learned query map (modeling/learned_scorer.py) of the export
+    query: str = "all"  # "all": every token after the context; "question": the question's own words
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -71,6 +81,8 @@ class ScorerSettings:
             raise ValueError("a scorer needs at least one layer")
         if self.sinks < 0:
             raise ValueError(f"scorer sinks must be >= 0, got {self.sinks}")
+        if self.query not in QUERIES:
+            raise ValueError(f"scorer query must be one of {', '.join(QUERIES)}, got {self.query!r}")
         if self.kind == "l1" and (self.sinks or self.keep_sinks):
             raise ValueError("sinks/keep_sinks apply to the raw-key scorers (l2, bounds), not to l1")
 
@@ -125,6 +137,8 @@ class ScorerSettings:
             opts.append("keep_sinks=" + ("1" if self.keep_sinks == "spans" else self.keep_sinks))
         if self.learned:
             opts.append("learned=1")
+        if self.query != "all":
+            opts.append(f"query={self.query}")
         return f"{self.kind}:{','.join(opts)}"
 
     def resolved_layers(self, num_layers: int) -> list[int]:
@@ -534,9 +548,44 @@ class QuestionQueries:
     by_layer: dict[int, torch.Tensor]  # layer -> [H, n, D]
     memory_positions: torch.Tensor  # [n]
     text_positions: torch.Tensor  # [n]
+    # ``[n]`` bool: the question's own words among the n tokens (PromptFormat.question_words); None:
+    # not known (ids outside the project's prompt, or no tokenizer). ``find_own`` finds them when first
+    # asked (most scorers pool every token and never ask).
+    own: torch.Tensor | None = None
+    find_own: Callable[[], list[bool] | None] | None = field(default=None, repr=False)
     # What several scorers of one question share (calibrate runs hundreds): queries moved to their
-    # text positions and rotated L2 keys, per layer; freed with the question.
+    # text positions, per layer, and (``keys``, shared with the own-words view) the rotated L2 keys;
+    # freed with the question.
     derived: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    words: "QuestionQueries | None" = field(default=None, repr=False)  # the own-words view, made once
+
+    def for_scorer(self, scorer: ScorerSettings) -> "QuestionQueries":
+        """The queries ``scorer`` pools over: all of them, or (``query=question``) the question's own words.
+
+        The template around a question ("Answer the question using the context above", the end of
+        turn, the generation prompt) is the same for every question; its tokens attend mostly to the
+        context's last sentences, and with the mean over tokens they pull a refill there whatever
+        was asked (docs/real-base.md).
+        """
+        if scorer.query == "all":
+            return self
+        if self.own is None and self.find_own is not None:
+            found, self.find_own = self.find_own(), None
+            self.own = None if found is None else torch.tensor(found, dtype=torch.bool)
+        if self.own is not None and bool(self.own.all()):
+            return self
+        if self.own is None or not bool(self.own.any()):
+            raise ValueError(f"scorer {scorer.describe()} pools the question's own words, but they are not known "
+                             "here: give the engine its tokenizer and the question as text, or as the ids "
+                             "PromptFormat.question_ids writes")
+        if self.words is None:
+            rows = torch.nonzero(self.own.cpu()).flatten()
+            self.words = QuestionQueries(
+                by_layer={x: q.index_select(1, rows.to(q.device)) for x, q in self.by_layer.items()},
+                memory_positions=self.memory_positions[rows], text_positions=self.text_positions[rows],
+                own=torch.ones(len(rows), dtype=torch.bool), keys=self.keys)
+        return self.words
 
     def at_text(self, model, layer: int) -> torch.Tensor:
         from .rope import Rope
@@ -561,15 +610,15 @@ class QuestionQueries:
         return self.derived[key]
 
     def l2_keys(self, model, cache, layer: int) -> torch.Tensor:
-        key = ("l2", layer)
-        if key not in self.derived:
-            self.derived[key] = cache.l2_keys_rotated(model, layer)
-        return self.derived[key]
+        if layer not in self.keys:
+            self.keys[layer] = cache.l2_keys_rotated(model, layer)
+        return self.keys[layer]
 
 
 def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -> torch.Tensor:
     """One score per span of ``cache`` (``[m]``) with ``scorer``; ``queries`` must hold its layers."""
     layers = scorer.resolved_layers(model.config.num_hidden_layers)
+    queries = queries.for_scorer(scorer)
     missing = [x for x in layers if x not in queries.by_layer]
     if missing:
         raise ValueError(f"the scoring pass captured no queries at layers {missing}")
@@ -587,6 +636,7 @@ def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -
 def question_mass(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -> list[torch.Tensor]:
     """The ``l2`` scorer's per-token mass of the question (:func:`l2_mass`, one per scoring layer)."""
     layers = scorer.resolved_layers(model.config.num_hidden_layers)
+    queries = queries.for_scorer(scorer)
     qmap = _query_map(model, scorer, layers) if scorer.learned else None
     qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
     ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None

@@ -58,6 +58,11 @@ class SimSettings:
     k: int | None = None  # None: inference's k from W and eta
     force_evidence: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.scorer.query != "all":  # the training pass has token ids, not the question's text
+            raise ValueError(f"train.refill_sim selects with scorer query=all only, got {self.scorer.describe()}; "
+                             "query=question is an inference setting (calibrate it on the export)")
+
     def cache_settings(self) -> CacheSettings:
         return CacheSettings(self.first_chunk, self.stride, self.interval)
 

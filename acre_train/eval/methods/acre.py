@@ -15,7 +15,7 @@ not to the refilled spans) so that a question runs only its own tokens.
 ``positions=text`` rotates the refilled cache at each token's index in the context instead of at
 ``0..P-1`` (refilled spans keep their distances in the text; ``infer/refill.py:POSITIONS``).
 
-The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``neighbors``, ``grow``,
+The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``query``, ``neighbors``, ``grow``,
 ``grow_shape``;
 modeling/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
 without ``scorer`` the other options change the stored one.
@@ -56,6 +56,7 @@ class Acre(EvalMethod):
     heads: str = ""  # mean | max
     sinks: int = -1
     keep_sinks: str = ""  # 0 | 1 (= spans) | spans | tokens ("": the export's)
+    query: str = ""  # all | question: the question tokens the scorer pools over ("": the export's)
     neighbors: int = -1
     grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
     grow_shape: str = ""  # attention | centered | densest ("": the export's)
@@ -94,6 +95,8 @@ class Acre(EvalMethod):
             changes["sinks"] = self.sinks
         if self.keep_sinks:
             changes["keep_sinks"] = self.keep_sinks
+        if self.query:
+            changes["query"] = self.query
         return replace(base, **changes)
 
     def overrides(self) -> dict[str, int]:
