@@ -8,6 +8,7 @@ the root's exports and SQuAD splits on a fresh machine)::
     python studies/scorer/grow.py --name centered --grow-shapes attention,centered --cells 8192/niah_multikey
     python studies/scorer/grow.py --name densest --grow-shapes centered,densest --layers 7,9,7+9 --cells 2048/squad
     python studies/scorer/grow.py --name sink-tokens --grow-shapes densest --layers 9,7+9 --keep-sinks spans,tokens --cells 2048/squad
+    python studies/scorer/grow.py --name question --grow-shapes densest,sentences --layers 7+9 --cells 2048/squad
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
 stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
@@ -17,7 +18,8 @@ with the chosen setting, and pairs every question with that row's committed cell
 questions, whole-span selection). Where the docs already hold the cell's calibration, a fresh
 machine writes that choice into its copy of the export instead of calibrating again. ``--grow-shapes`` is swept by calibrate (``attention``: regions grow
 toward the most-attended token; ``centered``: an even share of the budget centred on each seed); ``--name``
-keeps each sweep's export, evaluation and docs apart (docs/real-base/scorer/NAME/). ``--full`` adds full attention on the seeds whose committed cell
+keeps each sweep's export, evaluation and docs apart (docs/real-base/scorer/NAME/); calibrate sweeps
+``query=all`` and ``query=question`` by default, so sweeps from the twenty-fourth session on choose between them. ``--full`` adds full attention on the seeds whose committed cell
 lacks it, so the answer-when-refilled can be set against full attention on the same questions.
 """
 
