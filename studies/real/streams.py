@@ -43,11 +43,14 @@ def answer_text(example) -> str:
 
 
 def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: tuple[int, ...],
-                         seed: int = STAGE2_SEED) -> list[dict[str, Any]]:
+                         seed: int = STAGE2_SEED, questions_per_context: int = 1) -> list[dict[str, Any]]:
     """Long-context QA conversations, half SQuAD (training articles) and half synthetic retrieval.
 
     Built with the evaluation's own task generators and prompt pieces (instruction, documents,
     question), at training seeds, so stage 2 trains on exactly the format the study evaluates.
+    ``questions_per_context`` > 1: ``num`` contexts, each SQuAD and multi-key one asked up to that many
+    questions (consecutive conversations with the same context, which ``data.prepare.pack_questions``
+    packs into one sample); a single needle or a variable-tracking context has one question to ask.
     """
     from acre_train.data.prompt import context_span, qa_messages
     from acre_train.eval.prompt import evidence_char_ranges, example_context, example_instruction
@@ -57,13 +60,18 @@ def stage2_conversations(tokenizer, squad_train: str | Path, num: int, lengths: 
     for i in range(num):
         length = lengths[i % len(lengths)]
         kind = "squad" if i % 2 == 0 else NEEDLE_KINDS[(i // 2) % len(NEEDLE_KINDS)]
-        (ex,) = build_task(kind, tokenizer, length, 1, seed + i, squad_path=squad_train)
-        instruction = example_instruction(ex)
-        messages = qa_messages(example_context(ex), ex.question, answer_text(ex), instruction=instruction)
-        shift = context_span(example_context(ex), instruction)[0]  # the context's place in the user turn
-        evidence = [[0, shift + a, shift + b] for a, b in evidence_char_ranges(ex)]
-        rows.append({"messages": messages, "task": kind, "context_tokens": length, "seed": seed + i,
-                     "evidence": evidence})
+        asked = questions_per_context if kind in ("squad", "niah_multikey") else 1
+        examples = build_task(kind, tokenizer, length, asked, seed + i, squad_path=squad_train,
+                              questions_per_context=asked)
+        for ex in examples:
+            if example_context(ex) != example_context(examples[0]):
+                break  # (a paragraph with fewer questions: the rest would come from another context)
+            instruction = example_instruction(ex)
+            messages = qa_messages(example_context(ex), ex.question, answer_text(ex), instruction=instruction)
+            shift = context_span(example_context(ex), instruction)[0]  # the context's place in the user turn
+            evidence = [[0, shift + a, shift + b] for a, b in evidence_char_ranges(ex)]
+            rows.append({"messages": messages, "task": kind, "context_tokens": length, "seed": seed + i,
+                         "evidence": evidence})
     return rows
 
 

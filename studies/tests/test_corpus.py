@@ -37,3 +37,25 @@ def test_stage2_large_counts_distinct_pairs_by_task(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "s2.jsonl").read_text().splitlines()]
     assert section["conversations"] == len(rows) == 8 and section["by_task"]["squad"] == 4
     assert section["distinct_question_answer"] <= 8 and section["with_evidence"] == sum(1 for r in rows if r["evidence"])
+
+
+def test_packed_stream_asks_several_questions_of_one_context_and_packs_them(tmp_path):
+    """The packed ladder row's stream (sim.py --row stage2-sim-packed): same seeds and kinds, each SQuAD and
+    multi-key context asked up to 4 questions, consecutively, so data prep packs them into one sample."""
+    from studies.real.streams import stage2_conversations
+
+    tok = tiny_tokenizer()
+    squad = tmp_path / "squad.json"
+    squad.write_text(json.dumps(builtin_qa()))
+    plain = stage2_conversations(tok, squad, 4, (300,))
+    packed = stage2_conversations(tok, squad, 4, (300,), questions_per_context=4)
+    assert [r["seed"] for r in plain] == [1000, 1001, 1002, 1003]
+    by_seed: dict[int, list] = {}
+    for r in packed:
+        by_seed.setdefault(r["seed"], []).append(r)
+    assert sorted(by_seed) == [1000, 1001, 1002, 1003]
+    for seed, rows in by_seed.items():
+        contexts = {r["messages"][0]["content"].split("Question:")[0] for r in rows}
+        assert len(contexts) == 1 and len(rows) <= 4 and all(r["evidence"] for r in rows)
+    # (SQuAD itself repeats a question now and then, under another id: the questions are not always distinct)
+    assert len(by_seed[1000]) > 1 and len(by_seed[1001]) == 1  # SQuAD asks several; a single needle one

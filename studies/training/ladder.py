@@ -14,7 +14,8 @@ committed in studies/adapters and the reference cells in docs/real-base/scorer::
 Each ``LENGTH/TASK:ROW+ROW`` evaluates those rows (``stage0``: untrained L1, copies of the base's
 projections; ``stage1-long``: stage 1, 120 steps; ``stage1-distill``: stage 1 distilled, 60 steps; ``stage2-long``: plain stage 1+2, 120 + 120 steps (a
 sweep's cell only: elsewhere it is the reference row); ``stage2-sim-long``: stage 1+2 in the refilled layout, 120 + 120 steps; ``stage2-sim-distill``: the same
-plus half the loss a KL to the frozen base; ``stage1-corpus``: stage 1, one epoch of the 1M-token corpus) seed by seed (a finished seed is kept, so a session that ends
+plus half the loss a KL to the frozen base; ``stage1-corpus``: stage 1, one epoch of the 1M-token corpus; ``stage2-sim-packed``: stage2-sim-long with
+up to 4 questions per context in one sample) seed by seed (a finished seed is kept, so a session that ends
 mid-cell resumes) with the plain stage 1+2 row's calibrated scorer, and writes, per row, the cell and its
 paired comparison with that row to docs/real-base/training/ladder/LENGTH/TASK/ROW/. ``ROW.text`` answers with the row's weights and
 setting but the refilled cache rotated at text positions (``positions=text``); ``ROW.eta2`` with twice the
@@ -52,7 +53,10 @@ ADAPTERS = {"stage1-long": STAGE1,
             "stage2-sim-distill": REPO / "studies/adapters/stage2-sim-distill-lora-step120+120.safetensors",
             # stage 1, one epoch of the 1M-token corpus (spans of 2K-8K tokens, 116 steps; acre-train reproduce
             # real --steps stage1-corpus, then --steps export; the export's adapter file is copied here)
-            "stage1-corpus": REPO / "studies/adapters/stage1-corpus-lora-step116.safetensors"}
+            "stage1-corpus": REPO / "studies/adapters/stage1-corpus-lora-step116.safetensors",
+            # stage2-sim-long with up to 4 questions per context packed in one sample (sim.py --row
+            # stage2-sim-packed copies it here)
+            "stage2-sim-packed": REPO / "studies/adapters/stage2-sim-packed-lora-step120+120.safetensors"}
 ROWS = ("stage0", *ADAPTERS)
 # ``ROW.VARIANT``: the row's weights answering with one inference option changed (same setting otherwise).
 VARIANTS = {"text": ("positions=text", "text positions"),

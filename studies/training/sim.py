@@ -43,14 +43,20 @@ STEPS = 120
 # --row: the run's name and what it adds to the recipe. Both rows share start, data, order, lr and steps,
 # so they differ only in the KL to the frozen base (studies/real/study.py defines the same two runs).
 ROWS = {"stage2-sim-long": ("qwen2.5-0.5b-stage2-sim-lora-120", ()),
-        "stage2-sim-distill": ("qwen2.5-0.5b-stage2-sim-distill-lora-120", ("train.distill.weight=0.5",))}
+        "stage2-sim-distill": ("qwen2.5-0.5b-stage2-sim-distill-lora-120", ("train.distill.weight=0.5",)),
+        # The same run with several questions per context in one sample (the training issue's item 3): the
+        # same 96 training seeds, lengths and kinds, each SQuAD and multi-key context asked up to 4 questions
+        # (streams.stage2_conversations(questions_per_context=4)), packed so that one context forward and
+        # backward trains them all; same start, lr, seed and steps, so it sees up to 4x the answers.
+        "stage2-sim-packed": ("qwen2.5-0.5b-stage2-sim-packed-lora-120", ("data.prepare.pack_questions=4",))}
+PACKED = 4  # questions per context of the packed row's stream
 RUN_NAME = ROWS["stage2-sim-long"][0]
 GEOMETRY = ["--first-chunk", "1024", "--stride", "512", "--interval", "32", "--max-refill", "192"]
 CELLS = ("2048/squad", "4096/niah_multikey")
 
 
-def inputs(root: Path, squad: Path) -> tuple[Path, Path]:
-    """The study's stage-2 conversations and the stage-1 adapter's export (the run starts from it)."""
+def inputs(root: Path, squad: Path, row: str = "stage2-sim-long") -> tuple[Path, Path]:
+    """The row's stage-2 conversations and the stage-1 adapter's export (the run starts from it)."""
     from studies.real.study import RealConfig, RealStudy
 
     study = RealStudy(root, squad, RealConfig(adapters={"stage1-long": str(STAGE1)}), log=log)
@@ -58,7 +64,24 @@ def inputs(root: Path, squad: Path) -> tuple[Path, Path]:
     start = study.export_dir("stage1-long")
     if not (start / "config.json").is_file():
         study.step_export()
-    return study.streams / "stage2.jsonl", start
+    if row != "stage2-sim-packed":
+        return study.streams / "stage2.jsonl", start
+    return packed_stream(study), start
+
+
+def packed_stream(study) -> Path:
+    """The packed row's conversations (written once, beside the study's other streams)."""
+    from acre_train.data.tokenizer import auto_tokenizer
+    from studies.real.streams import stage2_conversations, write_jsonl
+
+    out = study.streams / "stage2-packed.jsonl"
+    if not out.is_file():
+        c = study.config
+        rows = stage2_conversations(auto_tokenizer(c.base), study.streams / "squad-train.json", c.stage2_conversations,
+                                    c.stage2_lengths, questions_per_context=PACKED)
+        write_jsonl(rows, out)
+        log(f"{out}: {len(rows)} questions on {c.stage2_conversations} contexts")
+    return out
 
 
 RESUME = HERE / "resume"  # a session's last checkpoint of each run, committed when it ended mid-run
@@ -101,7 +124,7 @@ def train(root: Path, data: Path, start: Path, steps: int, row: str = "stage2-si
     runs = root / "runs"
     seed_run(runs / run_name)
     cmd = ["acre-train", "train", str(RECIPE), f"output_root={runs}", f"run_name={run_name}",
-           f"model.init_from={start}", f"data.path={root / 'data' / 'stage2'}", f"data.prepare.inputs=[{data}]",
+           f"model.init_from={start}", f"data.path={root / 'data' / data.stem}", f"data.prepare.inputs=[{data}]",
            f"train.max_steps={steps}", "checkpoint.every_steps=4", "checkpoint.resume_from_checkpoint=latest",
            "logging.progress_bar=false", *extra]
     log(" ".join(cmd))
@@ -150,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--squad", required=True, help="SQuAD v2 dev JSON (split by article)")
     parser.add_argument("--root", default="checkpoints/scorer-study")
     parser.add_argument("--row", choices=list(ROWS), default="stage2-sim-long",
-                        help="stage2-sim-distill: the same run plus half the loss a KL to the frozen base")
+                        help="stage2-sim-distill: the same run plus half the loss a KL to the frozen base; "
+                             "stage2-sim-packed: the same run with up to 4 questions per context in one sample")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--cells", default=",".join(CELLS), help="LENGTH/TASK,... to evaluate")
     parser.add_argument("--seeds", default=",".join(map(str, EVAL_SEEDS)))
@@ -163,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         keep_checkpoint(root / "runs" / ROWS[args.row][0])
         return 0
-    data, start = inputs(root, Path(args.squad))
+    data, start = inputs(root, Path(args.squad), args.row)
     run_dir = train(root, data, start, args.steps, args.row)
     if args.train_only:
         return 0
