@@ -139,8 +139,9 @@ def _long_context(qa: dict, paragraphs: int) -> tuple[list[str], str, str]:
 
 REAL_BASE = "qwen2.5-coder-0.5b-instruct"
 # In acre_train/resources, each with a card (NAME.json) beside it. The quickstart's: stage 1 + 2 at
-# 120 + 120 steps, with its scorer calibrated on training-article SQuAD (docs/real-base.md).
-SHIPPED_ADAPTER = "adapters/qwen2.5-0.5b-stage2-lora-120.safetensors"
+# 120 + 120 steps, stage 2 in the refilled layout, with its scorer calibrated on training-article SQuAD
+# (one region of whole sentences over layers 7+9, ranked by the question's own words; docs/real-base.md).
+SHIPPED_ADAPTER = "adapters/qwen2.5-0.5b-stage2-sim-lora-120.safetensors"
 STAGE1_ADAPTER = "adapters/qwen2.5-0.5b-stage1-lora.safetensors"
 REAL_CONTEXT_TOKENS = 2048
 REAL_SEED = 777  # the study's evaluation seed: questions never used in training
