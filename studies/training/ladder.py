@@ -100,7 +100,8 @@ LABELS = {"stage0": "stage 0 (untrained L1)", "stage1-long": "stage 1 (120 steps
           "stage1-distill": "stage 1 distilled (60 steps)", "stage2-long": "stage 1+2 plain (120 + 120)",
           "stage2-sim-long": "stage 1+2 refill-simulated (120 + 120)",
           "stage2-sim-distill": "stage 1+2 refill-simulated + distilled (120 + 120)",
-          "stage1-corpus": "stage 1, 1M-token corpus (1 epoch, 116 steps)"}
+          "stage1-corpus": "stage 1, 1M-token corpus (1 epoch, 116 steps)",
+          "stage2-sim-packed": "stage 1+2 refill-simulated, 4 questions per sample (120 + 120)"}
 LABELS.update({f"{row}.{v}": f"{label}, {text}" for v, (_, text) in VARIANTS.items() for row, label in list(LABELS.items())})
 
 
