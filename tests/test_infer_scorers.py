@@ -55,7 +55,10 @@ def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = 
         start = end
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     group = heads // kv_heads
-    sinks = {t for t in range(len(raw_rows)) if t < scorer.sinks or (t >= 16 and (t - 16) % 8 < scorer.sinks)}
+    def first(n: int) -> set[int]:  # the first n tokens of the context and of every chunk
+        return {t for t in range(len(raw_rows)) if t < n or (t >= 16 and (t - 16) % 8 < n)}
+
+    sinks, unscored = first(scorer.sinks), first(scorer.unscored)
     per_layer = []
     for layer in scorer.resolved_layers(model.config.num_hidden_layers):
         query, key = captured[layer]
@@ -85,6 +88,7 @@ def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = 
                     top = max(logits[t] for t in keep)
                     z = sum(math.exp(logits[t] - top) for t in keep)
                     prob = [0.0 if t in sinks else math.exp(logits[t] - top) / z for t in range(len(logits))]
+                    prob = [0.0 if t in unscored else p for t, p in enumerate(prob)]  # in the softmax, not counted
                     table[h, a] = torch.tensor([sum(prob[s:e]) for s, e in spans], dtype=torch.float64)
                     tokens[h, a] = torch.tensor(prob, dtype=torch.float64)
                 else:
@@ -99,6 +103,7 @@ def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = 
 
 
 SCORERS = ["l1:layers=-1", "l1:layers=0+1,heads=max", "l2:layers=1", "l2:layers=0+1,heads=max,sinks=2",
+           "l2:layers=0+1,heads=max,sinks=1,unscored=3",
            "bounds:layers=0", "bounds:layers=0+1,heads=max,sinks=1"]
 
 
@@ -223,6 +228,10 @@ def test_scorer_settings_spellings_and_errors():
         ScorerSettings.parse("l3")
     with pytest.raises(ValueError, match="not to l1"):
         ScorerSettings.parse("l1:sinks=4")
+    quiet = ScorerSettings.parse("l2:layers=7+9,heads=max,sinks=4,keep_sinks=tokens,unscored=16,query=question")
+    assert quiet.unscored == 16 and ScorerSettings.parse(quiet.describe()) == quiet == ScorerSettings.parse(quiet.as_dict())
+    with pytest.raises(ValueError, match="unscored applies to the l2"):
+        ScorerSettings.parse("bounds:layers=1,unscored=4")
     with pytest.raises(ValueError, match="out of range"):
         ScorerSettings(layers=(5,)).resolved_layers(2)
 

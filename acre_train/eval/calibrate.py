@@ -51,7 +51,8 @@ class Candidate:
         """Lower = simpler (the tie-break): fewer options switched on."""
         s = self.scorer
         return (int(self.neighbors) + int(self.grow > 0) + int(bool(s.keep_sinks)) + int(s.sinks > 0) + int(s.heads != "mean")
-                + int(s.learned) + int(self.grow_shape != "attention") + int(s.query != "all"), len(s.layers), self.grow)
+                + int(s.learned) + int(self.grow_shape != "attention") + int(s.query != "all") + int(s.unscored > 0),
+                len(s.layers), self.grow)
 
 
 def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
@@ -59,14 +60,16 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
           heads: Sequence[str] = ("mean", "max"), sinks: Sequence[int] = (0, 4),
           neighbors: Sequence[bool] = (False, True), learned_layers: Sequence[int] = (),
           grow: Sequence[int] = (), grow_shapes: Sequence[str] = ("attention",),
-          keep_sinks: Sequence[str] = ("spans",), queries: Sequence[str] = ("all",)) -> list[Candidate]:
+          keep_sinks: Sequence[str] = ("spans",), queries: Sequence[str] = ("all",),
+          unscored: Sequence[int] = (0,)) -> list[Candidate]:
     """The settings to compare. ``layers``: one scoring layer, or a tuple of layers whose scores are
     averaged (one setting); default: every third layer and the last. ``learned_layers``: the layers of
     the export's learned scorer, swept again with ``learned=1``. ``grow``: seed counts of
     token-granular refill, swept beside the span rules for every ``l2`` setting, in each of ``grow_shapes``.
     ``keep_sinks``: the ways of keeping sinks swept beside not keeping them (``tokens`` only where tokens
     are grown: for whole spans it is ``spans``). ``queries``: which of the question's tokens every setting
-    pools over, ``all`` and/or ``question`` (its own words, not the template around it).
+    pools over, ``all`` and/or ``question`` (its own words, not the template around it). ``unscored``: the
+    chunk-start tokens whose mass counts for no refill, swept for every ``l2`` setting.
 
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,)))
     8
@@ -79,17 +82,21 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
     [(0, ''), (0, 'spans'), (1, ''), (1, 'spans'), (1, 'tokens')]
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,), queries=("all", "question")))
     16
+    >>> [c.scorer.unscored for c in sweep(4, kinds=("l1", "l2"), layers=(0,), heads=("max",), sinks=(0,),
+    ...                                    neighbors=(False,), unscored=(0, 16))]
+    [0, 0, 16]
     """
     layers = list(layers) if layers is not None else sorted({*range(0, num_layers, 3), num_layers - 1})
     out = []
     grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
     for kind, (layer, learned), pool, near, query in itertools.product(kinds, grid, heads, neighbors, queries):
         for sink, keep in ([(0, "")] if kind == "l1" else [(s, k) for s in sinks for k in ("", *keep_sinks) if s or not k]):
-            scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned, query)
-            if keep != "tokens":
-                out.append(Candidate(scorer, bool(near)))
-            if kind == "l2" and not near:
-                out.extend(Candidate(scorer, False, int(g), shape) for g in grow if g > 0 for shape in grow_shapes)
+            for quiet in (unscored if kind == "l2" else (0,)):
+                scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned, query, int(quiet))
+                if keep != "tokens":
+                    out.append(Candidate(scorer, bool(near)))
+                if kind == "l2" and not near:
+                    out.extend(Candidate(scorer, False, int(g), shape) for g in grow if g > 0 for shape in grow_shapes)
     return out
 
 
@@ -208,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-sinks", default="spans",
                         help="ways of keeping the sinks swept beside dropping them: spans, tokens (grown refills "
                              "only: the first span whole, then each chunk's sink tokens) (default: spans)")
+    parser.add_argument("--unscored", default="0",
+                        help="l2: chunk-start tokens whose mass places no refill (they stay in the softmax), "
+                             "e.g. 0,16 (default: 0)")
     parser.add_argument("--neighbors", default="0,1", help="neighbour refill off/on to sweep (default: 0,1)")
     parser.add_argument("--grow", default="0,1,2,3,4",
                         help="token-granular refill (l2 scorers): seed counts to sweep, 0 = whole spans (default: 0,1,2,3,4)")
@@ -272,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
                        learned_layers=qmap.layers if (qmap := query_map_of(model)) is not None else (),
                        grow=_ints(args.grow, "grow"), grow_shapes=_names(args.grow_shapes, GROW_SHAPES, "grow-shapes"),
                        keep_sinks=_names(args.keep_sinks, KEEP_SINKS, "keep-sinks"),
-                       queries=_names(args.queries, QUERIES, "queries"))
+                       queries=_names(args.queries, QUERIES, "queries"), unscored=_ints(args.unscored, "unscored"))
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
     examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,

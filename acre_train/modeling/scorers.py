@@ -22,6 +22,14 @@ refill only) keeps the context's first span whole, where the prompt's instructio
 sink tokens themselves of every later chunk: a chunk's first tokens matter as sinks, not as text, and
 whole spans spend much of a small budget on them (at 2K, three spans of a 6-span budget). The
 tokens after the first few still draw mass, so calibrate it with ``sinks`` (docs/real-base.md).
+``unscored: N`` (``l2`` only) is the gentler rule for them: the first ``N`` tokens of the context and
+of every chunk stay in the softmax, as they are in the model's own attention, but the mass they draw
+counts for no span or region, so they never place a refill (they are still refilled when a chosen
+region covers them). A chunk's first tokens were encoded with almost no local context and draw mass
+whatever is asked; taking them out of the softmax instead (``sinks``) renormalises the heads that
+park nearly all their mass there, and with ``heads=max`` those heads' leftovers then decide the
+ranking (dev 2K SQuAD: ``sinks=4,unscored=16`` refills the whole evidence for more questions than
+``sinks=16``; docs/real-base.md).
 
 ``query=question`` pools over the question's own words only. By default (``all``) every token
 after the context counts: the template's lead-in ("Answer the question using the context above"),
@@ -69,6 +77,7 @@ class ScorerSettings:
     keep_sinks: str = ""  # "": off; "spans": the spans holding the sinks; "tokens": see the module docstring
     learned: bool = False  # rank with the learned query map (modeling/learned_scorer.py) of the export
     query: str = "all"  # "all": every token after the context; "question": the question's own words
+    unscored: int = 0  # l2: the first N tokens of the context and of every chunk win no refill (see the docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -85,6 +94,10 @@ class ScorerSettings:
             raise ValueError(f"scorer query must be one of {', '.join(QUERIES)}, got {self.query!r}")
         if self.kind == "l1" and (self.sinks or self.keep_sinks):
             raise ValueError("sinks/keep_sinks apply to the raw-key scorers (l2, bounds), not to l1")
+        if self.unscored < 0:
+            raise ValueError(f"scorer unscored must be >= 0, got {self.unscored}")
+        if self.unscored and self.kind != "l2":
+            raise ValueError(f"unscored applies to the l2 scorer's per-token mass, not to {self.kind}")
 
     # ------------------------------------------------------------------------------ spellings
 
@@ -106,8 +119,9 @@ class ScorerSettings:
             picked["layers"] = _layers(picked["layers"])
         if "learned" in picked:
             picked["learned"] = _flag(picked["learned"])
-        if "sinks" in picked:
-            picked["sinks"] = int(picked["sinks"])
+        for key in ("sinks", "unscored"):
+            if key in picked:
+                picked[key] = int(picked[key])
         return cls(**picked)
 
     @classmethod
@@ -135,6 +149,8 @@ class ScorerSettings:
             opts.append(f"sinks={self.sinks}")
         if self.keep_sinks:
             opts.append("keep_sinks=" + ("1" if self.keep_sinks == "spans" else self.keep_sinks))
+        if self.unscored:
+            opts.append(f"unscored={self.unscored}")
         if self.learned:
             opts.append("learned=1")
         if self.query != "all":
@@ -640,7 +656,12 @@ def question_mass(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     qmap = _query_map(model, scorer, layers) if scorer.learned else None
     qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
     ignore = cache.sink_tokens(scorer.sinks) if scorer.sinks else None
-    return l2_mass(qs, [queries.l2_keys(model, cache, x) for x in layers], ignore)
+    mass = l2_mass(qs, [queries.l2_keys(model, cache, x) for x in layers], ignore)
+    if not scorer.unscored:
+        return mass
+    # Out of the ranking, not out of the softmax: the mass they draw is simply not counted.
+    counted = (~cache.sink_tokens(scorer.unscored)).to(mass[0])
+    return [m * counted.to(m.device) for m in mass]
 
 
 def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings, k: int, *, neighbors: bool = False,

@@ -111,7 +111,11 @@ class RefillLossSection(_Section):
     def _scorer_spec(cls, value: str) -> str:
         from ..modeling.scorers import ScorerSettings
 
-        return ScorerSettings.parse(value).describe()  # a misspelt option fails here, with a suggestion
+        scorer = ScorerSettings.parse(value)  # a misspelt option fails here, with a suggestion
+        if scorer.unscored or scorer.query != "all":  # the loss scores spans from the training pass alone
+            raise ValueError(f"train.refill_loss.scorer takes no unscored/query option (got {scorer.describe()}); "
+                             "they are inference settings: calibrate them on the export")
+        return scorer.describe()
 
 
 class RefillSimSection(_Section):

@@ -9,6 +9,8 @@ the root's exports and SQuAD splits on a fresh machine)::
     python studies/scorer/grow.py --name densest --grow-shapes centered,densest --layers 7,9,7+9 --cells 2048/squad
     python studies/scorer/grow.py --name sink-tokens --grow-shapes densest --layers 9,7+9 --keep-sinks spans,tokens --cells 2048/squad
     python studies/scorer/grow.py --name question --grow-shapes densest,sentences --layers 7+9 --cells 2048/squad
+    python studies/scorer/grow.py --name unscored --grow-shapes sentences --layers 7+9 --keep-sinks spans,tokens \
+        --unscored 0,8,16,32 --queries question --cells 2048/squad
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
 stage 1+2 refill-simulated), lets ``acre-train calibrate`` choose scorer and selection on the *dev* split
@@ -50,7 +52,8 @@ CELLS = {
 
 
 def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "attention",
-                      layers: str | None = None, keep_sinks: str | None = None) -> Path:
+                      layers: str | None = None, keep_sinks: str | None = None, unscored: str | None = None,
+                      queries: str | None = None) -> Path:
     length, task = cell.split("/")
     start, _, _, layer, count = CELLS[cell]
     layer = layers or layer
@@ -66,7 +69,8 @@ def calibrated_export(root: Path, cell: str, name: str = "grow", shapes: str = "
     cmd = ["acre-train", "calibrate", str(tmp), "--data", task, "--squad", str(root / "squad-train.json"),
            "--context-tokens", length, "--num-examples", str(count), "--seed", str(DEV_SEED), "--scorers", "l2",
            "--layers", str(layer), "--heads", "max", "--sinks", "0,4", "--grow-shapes", shapes, "--no-progress",
-           *(["--keep-sinks", keep_sinks] if keep_sinks else [])]
+           *(["--keep-sinks", keep_sinks] if keep_sinks else []), *(["--unscored", unscored] if unscored else []),
+           *(["--queries", queries] if queries else [])]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
     shutil.rmtree(export, ignore_errors=True)
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grow-shapes", default="attention", help="calibrate's --grow-shapes (attention,centered,densest)")
     parser.add_argument("--layers", default=None, help="calibrate's --layers, e.g. 7,9,7+9 (default: the cell's one layer)")
     parser.add_argument("--keep-sinks", default=None, help="calibrate's --keep-sinks, e.g. spans,tokens (default: spans)")
+    parser.add_argument("--unscored", default=None, help="calibrate's --unscored, e.g. 0,8,16,32 (default: 0)")
+    parser.add_argument("--queries", default=None, help="calibrate's --queries, e.g. question (default: all,question)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     study.prepare(root, args.squad)
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     for cell in args.cells.split(","):
         length, task = int(cell.split("/")[0]), cell.split("/")[1]
         start, committed, method, _, _ = CELLS[cell]
-        export = calibrated_export(root, cell, args.name, args.grow_shapes, args.layers, args.keep_sinks)
+        export = calibrated_export(root, cell, args.name, args.grow_shapes, args.layers, args.keep_sinks,
+                                   args.unscored, args.queries)
         chosen = json.loads((export / "calibration.json").read_text())["rows"][0]
         if not chosen.get("grow") and committed:
             log(f"cell {cell}: calibration kept whole spans ({chosen['setting']}); {committed} measures that setting")

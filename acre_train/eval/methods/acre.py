@@ -57,6 +57,7 @@ class Acre(EvalMethod):
     sinks: int = -1
     keep_sinks: str = ""  # 0 | 1 (= spans) | spans | tokens ("": the export's)
     query: str = ""  # all | question: the question tokens the scorer pools over ("": the export's)
+    unscored: int = -1  # l2: chunk-start tokens whose mass places no refill (-1: the export's)
     neighbors: int = -1
     grow: int = -1  # token-granular refill from this many seeds (0: whole spans; -1: the export's)
     grow_shape: str = ""  # attention | centered | densest ("": the export's)
@@ -97,6 +98,8 @@ class Acre(EvalMethod):
             changes["keep_sinks"] = self.keep_sinks
         if self.query:
             changes["query"] = self.query
+        if self.unscored >= 0:
+            changes["unscored"] = self.unscored
         return replace(base, **changes)
 
     def overrides(self) -> dict[str, int]:
