@@ -231,6 +231,30 @@ def _tiny_export(tmp_path, **inference):
     return export_model(model, tmp_path / "export", tokenizer=tok, base_model=None, inference=geometry), tok
 
 
+def test_calibrate_sweeps_unscored_only_where_the_sinks_are_kept(tmp_path, capsys):
+    from acre_train.cli import main
+
+    export, tok = _tiny_export(tmp_path)
+    dev = tmp_path / "dev.jsonl"
+    save_jsonl(build_task("niah_multikey", tok, 400, 2, seed=5), dev)
+    assert main(["calibrate", str(export), "--data", str(dev), "--scorers", "l2", "--layers", "1", "--heads", "max",
+                 "--sinks", "2", "--keep-sinks", "spans,tokens", "--unscored", "0,8", "--neighbors", "0", "--grow", "1",
+                 "--grow-shapes", "sentences", "--queries", "all", "--dry-run", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "calibrating 8 settings" in printed and "unscored=8" in printed
+    assert not (export / "calibration.json").is_file()  # --dry-run changes nothing
+    from acre_train.eval.calibrate import sweep
+
+    grid = {(c.scorer.keep_sinks, c.scorer.unscored, c.grow) for c in
+            sweep(2, kinds=("l2",), layers=(1,), heads=("max",), sinks=(2,), neighbors=(False,), grow=(1,),
+                  grow_shapes=("sentences",), keep_sinks=("spans", "tokens"), unscored=(0, 8))}
+    # no kept sinks: never unscored (the sinks would never come back); tokens: grown refills only
+    assert grid == {("", 0, 0), ("", 0, 1), ("spans", 0, 0), ("spans", 0, 1), ("spans", 8, 0), ("spans", 8, 1),
+                    ("tokens", 0, 1), ("tokens", 8, 1)}
+    row = parse_method("acre:unscored=8:sinks=2:keep_sinks=tokens:scorer=l2")
+    assert row.scorer_settings(None).describe() == "l2:layers=-1,sinks=2,keep_sinks=tokens,unscored=8"
+
+
 def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys):
     from acre_train.cli import main
 

@@ -103,7 +103,7 @@ def _reference(model, ctx, q, scorer: ScorerSettings, token_mass: list | None = 
 
 
 SCORERS = ["l1:layers=-1", "l1:layers=0+1,heads=max", "l2:layers=1", "l2:layers=0+1,heads=max,sinks=2",
-           "l2:layers=0+1,heads=max,sinks=1,unscored=3",
+           "l2:layers=0+1,heads=max,sinks=1,keep_sinks=tokens,unscored=3",
            "bounds:layers=0", "bounds:layers=0+1,heads=max,sinks=1"]
 
 
@@ -232,6 +232,8 @@ def test_scorer_settings_spellings_and_errors():
     assert quiet.unscored == 16 and ScorerSettings.parse(quiet.describe()) == quiet == ScorerSettings.parse(quiet.as_dict())
     with pytest.raises(ValueError, match="unscored applies to the l2"):
         ScorerSettings.parse("bounds:layers=1,unscored=4")
+    with pytest.raises(ValueError, match="keep_sinks=tokens"):  # the sinks would never be refilled
+        ScorerSettings.parse("l2:layers=1,unscored=16")
     with pytest.raises(ValueError, match="out of range"):
         ScorerSettings(layers=(5,)).resolved_layers(2)
 

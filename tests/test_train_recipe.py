@@ -30,6 +30,13 @@ def test_wrong_value_type_names_the_key():
         load_recipe(TINY, ["train.micro_batch_size=two"])
 
 
+def test_the_refill_loss_refuses_inference_only_scorer_options():
+    # the loss ranks spans from the training pass: no question text (query) and its own sink rule
+    for spec in ("l2:layers=0,sinks=2,keep_sinks=1,unscored=4", "l2:layers=0,query=question"):
+        with pytest.raises(RecipeError, match="train.refill_loss.scorer.*inference settings"):
+            load_recipe(TINY, [f"train.refill_loss.scorer={spec}"])
+
+
 def test_overrides_tolerate_the_deepspeed_local_rank_argument():
     pairs = parse_overrides(["--local_rank=1", "train.learning_rate=1e-4", "--local_rank", "0",
                              "data.prepare.intervals=[4, 8]", "train.deepspeed=null"])

@@ -82,16 +82,16 @@ def sweep(num_layers: int, *, kinds: Sequence[str] = ("l1", "l2", "bounds"),
     [(0, ''), (0, 'spans'), (1, ''), (1, 'spans'), (1, 'tokens')]
     >>> len(sweep(4, kinds=("l1",), layers=(0, 3), sinks=(0,), queries=("all", "question")))
     16
-    >>> [c.scorer.unscored for c in sweep(4, kinds=("l1", "l2"), layers=(0,), heads=("max",), sinks=(0,),
-    ...                                    neighbors=(False,), unscored=(0, 16))]
-    [0, 0, 16]
+    >>> [c.scorer.describe() for c in sweep(4, kinds=("l1", "l2"), layers=(0,), heads=("max",), sinks=(4,),
+    ...                                     neighbors=(False,), unscored=(0, 16)) if c.scorer.kind == "l2"]
+    ['l2:layers=0,heads=max,sinks=4', 'l2:layers=0,heads=max,sinks=4,keep_sinks=1', 'l2:layers=0,heads=max,sinks=4,keep_sinks=1,unscored=16']
     """
     layers = list(layers) if layers is not None else sorted({*range(0, num_layers, 3), num_layers - 1})
     out = []
     grid = [(layer, False) for layer in layers] + [(layer, True) for layer in learned_layers]
     for kind, (layer, learned), pool, near, query in itertools.product(kinds, grid, heads, neighbors, queries):
         for sink, keep in ([(0, "")] if kind == "l1" else [(s, k) for s in sinks for k in ("", *keep_sinks) if s or not k]):
-            for quiet in (unscored if kind == "l2" else (0,)):
+            for quiet in (unscored if kind == "l2" and keep else (0,)):  # unscored needs kept sinks
                 scorer = ScorerSettings(kind, _layer_set(layer), pool, int(sink), keep, learned, query, int(quiet))
                 if keep != "tokens":
                     out.append(Candidate(scorer, bool(near)))

@@ -9,7 +9,7 @@ the root's exports and SQuAD splits on a fresh machine)::
     python studies/scorer/grow.py --name densest --grow-shapes centered,densest --layers 7,9,7+9 --cells 2048/squad
     python studies/scorer/grow.py --name sink-tokens --grow-shapes densest --layers 9,7+9 --keep-sinks spans,tokens --cells 2048/squad
     python studies/scorer/grow.py --name question --grow-shapes densest,sentences --layers 7+9 --cells 2048/squad
-    python studies/scorer/grow.py --name unscored --grow-shapes sentences --layers 7+9 --keep-sinks spans,tokens \
+    python studies/scorer/grow.py --name unscored-kept --grow-shapes sentences --layers 7+9 --keep-sinks spans,tokens \
         --unscored 0,8,16,32 --queries question --cells 2048/squad
 
 Per cell it copies the best trained row's adapter-only export (4K multikey: stage 1, 120 steps; 2K SQuAD:
