@@ -191,7 +191,11 @@ def evaluate(cell_export: Path, length: int, task: str, held_squad: Path, out: P
         run_eval(model, tok, examples, methods, config=EvalConfig(new_tokens, progress=False), out_dir=tmp)
         (tmp / "cell.json").write_text(json.dumps({"seconds": round(time.time() - tic, 1), "seed": seed}) + "\n")
         tmp.replace(part)
-    all_rows = [json.loads(line) for seed in seeds for line in (parts / str(seed) / "predictions.jsonl").open()]
+    all_rows = []
+    for seed in seeds:  # each seed numbers its contexts from 0: renumber so the cell counts each context once
+        rows_of_seed = [json.loads(line) for line in (parts / str(seed) / "predictions.jsonl").open()]
+        offset = 1 + max((r.get("context_index", -1) for r in all_rows), default=-1)
+        all_rows += [{**r, "context_index": r.get("context_index", 0) + offset} for r in rows_of_seed]
     seconds = sum(json.loads((parts / str(seed) / "cell.json").read_text())["seconds"] for seed in seeds)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
