@@ -18,7 +18,6 @@ the evidence and cut), and replays other region rules on the same masses within 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -174,6 +173,35 @@ def sentence_fill(row, mass) -> np.ndarray:
     return taken
 
 
+def chunk_starts(row, n: int, first_chunk: int = 1024, stride: int = 512) -> np.ndarray:
+    """``[N2]`` bool: the first ``n`` tokens of the context and of every chunk (the study's geometry)."""
+    t = np.arange(row["mass"][0].shape[-1])
+    return (t < n) | ((t >= first_chunk) & ((t - first_chunk) % stride < n))
+
+
+def sink_rule(row, mass, unscored: int = 0, out_of_softmax: int = 4) -> np.ndarray:
+    """One region on sentences with ``keep_sinks=tokens`` (the first span whole, the 4 sink tokens of every
+    later chunk kept) instead of whole sink spans. ``unscored``: the first N tokens of every chunk count for
+    no region (their mass zeroed, the product's ``unscored``); ``out_of_softmax``: the first N leave the
+    softmax instead (the product's ``sinks``; the dump's mass already has the first 4 out)."""
+    from acre_train.modeling.scorers import grow_tokens
+
+    n, width = len(row["taken"]), int(row["width"])
+    taken = chunk_starts(row, 4)[:n]
+    taken[:width] = True
+    out = []
+    for m in mass:
+        m = m.numpy().copy()
+        if out_of_softmax > 4:  # renormalised, as if they had never been in the softmax
+            m[..., chunk_starts(row, out_of_softmax)] = 0.0
+            m = m / m.sum(-1, keepdims=True)
+        if unscored:
+            m[..., chunk_starts(row, unscored)] = 0.0
+        out.append(torch.from_numpy(m))
+    return grow_tokens(out, num_tokens=n, budget=row["budget"], width=width, seeds=1, heads="max",
+                       taken=torch.from_numpy(taken), shape="sentences", sentence_ends=torch.from_numpy(row["ends"])).numpy()
+
+
 def compare(root: Path, path: Path) -> None:
     rows = list(np.load(path, allow_pickle=True))
     masses = [[torch.from_numpy(m) for m in r["mass"]] for r in rows]
@@ -186,7 +214,12 @@ def compare(root: Path, path: Path) -> None:
              "whole-sentence fill": sentence_fill,
              "top sentences by mass": lambda r, m: top_sentences(r, m, "sum"),
              "top sentences by mass per token": lambda r, m: top_sentences(r, m, "mean"),
-             "top sentences by mass, 16 tokens either side": lambda r, m: top_sentences(r, m, "sum", 16)}
+             "top sentences by mass, 16 tokens either side": lambda r, m: top_sentences(r, m, "sum", 16),
+             "keep_sinks=tokens (sinks=4)": lambda r, m: sink_rule(r, m)}
+    for n in (16, 24):
+        rules[f"keep_sinks=tokens, sinks={n} (out of the softmax)"] = lambda r, m, n=n: sink_rule(r, m, 0, n)
+    for n in (8, 16, 32):
+        rules[f"keep_sinks=tokens, sinks=4, unscored={n}"] = lambda r, m, n=n: sink_rule(r, m, n)
     results = {name: [judge(r, rule(r, m)) for r, m in zip(rows, masses)] for name, rule in rules.items()}
     print("| rule | whole evidence % | coverage % | overlap % |\n|---|---:|---:|---:|")
     for name, judged in results.items():
@@ -209,17 +242,9 @@ def compare(root: Path, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("dump", "compare"))
-    parser.add_argument("--root", default="checkpoints/scorer-study")
-    args = parser.parse_args(argv)
-    root = Path(args.root)
-    out = root / "regions" / "2048-squad.npy"
-    if args.what == "dump":
-        dump(root, out)
-    else:
-        compare(root, out)
-    return 0
+    from run import offline_main
+
+    return offline_main(__doc__, "regions", dump, compare, argv)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,19 @@ def cell_parser(doc: str, cells) -> argparse.ArgumentParser:
     return parser
 
 
+def offline_main(doc: str, folder: str, dump, compare, argv: list[str] | None = None) -> int:
+    """``dump`` / ``compare`` of an offline dev replay (sentences.py, regions.py): ``dump(root, path)`` runs the
+    product on the dev questions and saves what its selection was given to ``ROOT/<folder>/2048-squad.npy``;
+    ``compare(root, path)`` replays rules on it."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("what", choices=("dump", "compare"))
+    parser.add_argument("--root", default="checkpoints/scorer-study")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    (dump if args.what == "dump" else compare)(root, root / folder / "2048-squad.npy")
+    return 0
+
+
 def prepare(root: Path, squad: str | None) -> None:
     """What a held-out cell script needs in its root on a fresh machine: adapter-only exports of every
     committed adapter (studies/adapters) and the dev / held-out SQuAD splits. Each is skipped when present."""

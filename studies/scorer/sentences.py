@@ -18,7 +18,6 @@ tokens' text), and prints whole-evidence recall, coverage and overlap per rule.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -195,17 +194,9 @@ def compare(root: Path, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("dump", "compare"))
-    parser.add_argument("--root", default="checkpoints/scorer-study")
-    args = parser.parse_args(argv)
-    root = Path(args.root)
-    out = root / "sentences" / "2048-squad.npy"
-    if args.what == "dump":
-        dump(root, out)
-    else:
-        compare(root, out)
-    return 0
+    from run import offline_main
+
+    return offline_main(__doc__, "sentences", dump, compare, argv)
 
 
 if __name__ == "__main__":
