@@ -30,9 +30,9 @@ whatever is asked; taking them out of the softmax instead (``sinks``) renormalis
 park nearly all their mass there, and with ``heads=max`` those heads' leftovers can then decide the
 ranking (dev 2K SQuAD, replayed: the whole evidence back for 93 % with 16 tokens out of the softmax
 but 69 % with 24; with ``sinks=4`` and ``unscored`` 8 to 32, 91–93 %; docs/real-base.md). Since no
-region is ever placed on them, ``unscored`` needs
-``keep_sinks``: a refill without the context's first tokens (the attention sinks) answers almost
-nothing even when the evidence is back.
+region is ever placed on them, ``unscored`` needs ``sinks`` and ``keep_sinks``: a refill without the
+context's first tokens (the attention sinks, the prompt's start) answers almost nothing even when the
+evidence is back.
 
 ``query=question`` pools over the question's own words only. By default (``all``) every token
 after the context counts: the template's lead-in ("Answer the question using the context above"),
@@ -103,7 +103,7 @@ class ScorerSettings:
             raise ValueError(f"unscored applies to the l2 scorer's per-token mass, not to {self.kind}")
         if self.unscored and not (self.keep_sinks and self.sinks):
             # Held out at 2K SQuAD, unscored=32 alone refilled the whole evidence for 96 % of the questions
-            # and answered 17.9 F1 where it did (52.8 with the sinks kept): no region ever covered them.
+            # and answered 17.9 F1 where it did (56.3 with the sink tokens kept): no region ever covered them.
             raise ValueError("unscored=N stops the context's first tokens from placing a refill, so the attention "
                              "sinks decoding needs would never come back: add sinks=N and keep_sinks=tokens (or 1)")
 
