@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full-cache", choices=["growing", "dynamic"], default="growing",
                    help="full attention's cache: growing (in place, its floor) or transformers' DynamicCache "
                         "(grows by concatenation: copies the whole cache every decoding step)")
+    p.add_argument("--compare-fold", action="store_true",
+                   help="also time full attention's decoding steps with the single-query fold (modeling/sdpa.py) "
+                        "and with the grouped-KV switch alone, alternated in the same process")
     p.add_argument("--json", default=None, help="also write all figures to this file")
     p.add_argument("--_child", nargs=2, metavar=("METHOD", "SIZE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -201,11 +204,36 @@ def run_full(args, size: int) -> dict:
                         latencies.append(time.perf_counter() - tic)
                         splits.append(split)
                     cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
+        fold = _fold_ab(model, cache, size, args.new_tokens) if args.compare_fold else {}
     kv = _kv_mib(model, size)
     return {"build_s": min(builds), "floor_build_s": build_floor(model, rows=size, pairs=size * (size + 1) / 2, rates=rates), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
             "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size,
             "cache": args.full_cache, **rates, **full_floor(model, size, args.question_tokens, args.new_tokens, rates),
-            **{key: statistics.median(s[key] for s in splits) for key in ("prefill_s", "decode_s")}}
+            **{key: statistics.median(s[key] for s in splits) for key in ("prefill_s", "decode_s")}, **fold}
+
+
+def _fold_ab(model, cache, size: int, steps: int, rounds: int = 3) -> dict[str, float]:
+    """Median seconds per decoding step over the ``size``-token cache with the single-query fold and with the
+    grouped-KV switch alone (set by hand, which leaves :func:`grouped_kv_sdpa` out), alternated."""
+    import torch
+
+    from acre_train.modeling.sdpa import FORCE_GQA, grouped_kv_sdpa
+
+    times: dict[str, list[float]] = {"fold_step_s": [], "switch_step_s": []}
+    device = model.lm_head.weight.device
+    for _ in range(rounds):
+        for key in times:
+            if key == "switch_step_s":
+                os.environ[FORCE_GQA] = "1"
+            ids = torch.tensor([[7]], device=device)
+            tic = time.perf_counter()
+            for _ in range(steps):
+                with grouped_kv_sdpa(device):
+                    ids = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            times[key].append((time.perf_counter() - tic) / steps)
+            os.environ.pop(FORCE_GQA, None)
+            cache.crop(size - cache.get_seq_length())
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def _kv_mib(model, tokens: int) -> float:
@@ -300,6 +328,10 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
                      if r.get("shape_floor_" + part + "_s")]
             print(f"  {name} against the floor at the measured rate of its own matrix shapes (the question's rows; "
                   f"one row per decoding step): {', '.join(parts)}")
+    if "fold_step_s" in full:
+        print(f"  full decoding step: {1e3 * full['fold_step_s']:.1f} ms with one query's heads folded into rows, "
+              f"{1e3 * full['switch_step_s']:.1f} ms with the grouped-KV switch alone "
+              f"({full['switch_step_s'] / full['fold_step_s']:.2f}x; alternated, median)")
     if closed and "error" not in closed and "error" not in acre:
         print(f"  closed tail: per question {closed['question_s']:.3f}s vs {acre['question_s']:.3f}s open "
               f"({acre['question_s'] / closed['question_s']:.2f}x faster), build {closed['build_s']:.2f}s")

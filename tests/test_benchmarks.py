@@ -43,7 +43,7 @@ def test_gpu_check_runs_tiny_on_cpu(tmp_path):
 def test_inference_cost_runs_small_with_the_closed_tail_beside():
     out = subprocess.run([sys.executable, "benchmarks/inference_cost.py", "--sizes", "1500", "--repeats", "1",
                           "--questions", "1", "--close-tail", "--first-chunk", "512", "--stride", "256",
-                          "--max-refill", "64"], cwd=ROOT, capture_output=True, text=True,
+                          "--max-refill", "64", "--compare-fold"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ACRE closed tail" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout
@@ -51,6 +51,7 @@ def test_inference_cost_runs_small_with_the_closed_tail_beside():
     assert "ACRE build" in out.stdout and "full build" in out.stdout and "against its floor" in out.stdout
     assert "ACRE against the floor at the measured rate of its own matrix shapes" in out.stdout
     assert "full against the floor at the measured rate of its own matrix shapes" in out.stdout
+    assert "full decoding step:" in out.stdout and "with the grouped-KV switch alone" in out.stdout
 
 
 def test_methods_cost_runs_small_with_each_methods_floor_beside():
