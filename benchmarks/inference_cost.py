@@ -221,6 +221,7 @@ def _fold_ab(model, cache, size: int, steps: int, rounds: int = 3) -> dict[str, 
 
     times: dict[str, list[float]] = {"fold_step_s": [], "switch_step_s": []}
     device = model.lm_head.weight.device
+    user_setting = os.environ.pop(FORCE_GQA, None)  # set, it would turn the fold off in both arms
     for _ in range(rounds):
         for key in times:
             if key == "switch_step_s":
@@ -233,6 +234,8 @@ def _fold_ab(model, cache, size: int, steps: int, rounds: int = 3) -> dict[str, 
             times[key].append((time.perf_counter() - tic) / steps)
             os.environ.pop(FORCE_GQA, None)
             cache.crop(size - cache.get_seq_length())
+    if user_setting is not None:
+        os.environ[FORCE_GQA] = user_setting
     return {key: statistics.median(v) for key, v in times.items()}
 
 
