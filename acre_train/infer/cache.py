@@ -9,8 +9,9 @@ Layout (batch size 1, every tensor per layer stacked on dim 0):
   chunks, in text order. L1 entry ``j`` stands for ``l2[span_bounds[j]:span_bounds[j+1]]`` (the raw
   tokens since the previous L1 token); ``l2[span_bounds[m]:]`` are *pending* raw tokens whose L1
   token would fall in the unfinished chunk (only when chunk sizes are not multiples of ``l``).
-* **Tail**: the token ids of the unfinished last chunk; they are re-run with every question, which
-  continues that open chunk.
+* **Tail**: the token ids of the unfinished last chunk; they are re-run with every question over its
+  refilled cache, which continues that open chunk. Their KV over the L1 memory alone (``tail_keys``,
+  ``tail_values``) is kept too: every question's scoring pass starts from it.
 * **Key boxes** (for the ``bounds`` scorer, modeling/scorers.py): per scoring layer, the per-span min
   and max of the raw keys rotated at their text positions (``[H_kv, m, D]`` each, on the device),
   made on first use or by ``AcreEngine.build`` and saved with the cache.
@@ -61,14 +62,18 @@ class BiLayerCache:
     num_context_tokens: int
     context_digest: str = ""  # SHA-256 of the context's token ids: a saved cache names what it holds
     boxes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # "layer:sinks" -> (min, max)
-    # The closed tail (AcreEngine(close_tail=True)): the raw tail's plan run once over the L1 memory at
-    # build time, its pre-RoPE keys and values [L, H_kv, n_tail_plan, D] kept so a question runs only
-    # its own tokens. None: the tail re-runs with every question, over the refilled cache.
+    # The raw tail's plan run once over the L1 memory at build time (AcreEngine.build), its pre-RoPE keys
+    # and values [L, H_kv, n_tail_plan, D]: what every question's scoring pass sees before its own tokens,
+    # and (AcreEngine(close_tail=True)) what the prefill reuses. None: no tail, or a cache built without
+    # an engine (the scoring pass then runs the tail itself).
     tail_keys: torch.Tensor | None = None
     tail_values: torch.Tensor | None = None
     # [N2] bool: the L2 tokens that end a sentence (infer/sentences.py), for refill.grow_shape=sentences;
     # set by an engine that has the tokenizer. None: not known (built from ids alone).
     sentence_ends: torch.Tensor | None = None
+    # Scoring layer -> (the L2 keys it was made from, those keys rotated at text positions): see
+    # l2_keys_rotated. Not saved; remade on first use.
+    rotated: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def tail_plan(self):
         """The raw tail interleaved as the start of the open chunk (what every question continues)."""
@@ -88,10 +93,15 @@ class BiLayerCache:
         return self.num_l2 - int(self.span_bounds[-1])
 
     def l2_keys_rotated(self, model: nn.Module, layer: int) -> torch.Tensor:
-        """One layer's raw keys ``[H_kv, N2, D]`` rotated at their text positions ``0..N2-1`` (on the
-        model's device: the ``l2`` scorer gathers them per question)."""
-        keys = self.l2_keys[layer].to(self.l1_keys.device, non_blocking=True)
-        return Rope.of(model).rotate(keys, torch.arange(self.num_l2))
+        """One layer's raw keys ``[H_kv, N2, D]`` rotated at their text positions ``0..N2-1``, on the
+        model's device: what the ``l2`` scorer reads every question. Made at the first question and kept
+        (``rotated``): a scoring layer's copy is ``1 / num_layers`` of the L2 keys, and re-making it cost
+        every question a pass over them (0.4 s at 128K tokens on 2 cores)."""
+        made = self.rotated.get(layer)
+        if made is None or made[0] is not self.l2_keys:  # (a copy of this cache with other L2 keys remakes it)
+            keys = self.l2_keys[layer].to(self.l1_keys.device, non_blocking=True)
+            made = self.rotated[layer] = (self.l2_keys, Rope.of(model).rotate(keys, torch.arange(self.num_l2)))
+        return made[1]
 
     def sink_tokens(self, sinks: int) -> torch.Tensor:
         """``[N2]`` bool: the first ``sinks`` tokens of the context and of every chunk."""
@@ -111,9 +121,11 @@ class BiLayerCache:
         return self.boxes[name]
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held on the accelerator (L1 and key boxes) and in CPU memory (L2)."""
+        """Bytes held on the accelerator (L1, key boxes, the scoring layers' rotated raw keys) and in CPU
+        memory (L2)."""
         boxes = [t for pair in self.boxes.values() for t in pair]
-        l1 = sum(t.numel() * t.element_size() for t in (self.l1_keys, self.l1_keys_rot, self.l1_values, *boxes))
+        l1 = sum(t.numel() * t.element_size() for t in (self.l1_keys, self.l1_keys_rot, self.l1_values, *boxes,
+                                                        *(made for _, made in self.rotated.values())))
         l2 = sum(t.numel() * t.element_size() for t in (self.l2_keys, self.l2_values))
         return {"l1": l1, "l2": l2}
 
@@ -253,6 +265,26 @@ def check_context(model: nn.Module, num_raw: int, settings: CacheSettings, worki
         raise ContextTooLongError(
             f"a context of {num_raw} tokens gives {m} L1 entries, more than the working window "
             f"W = {working_window}; raise W, use a larger interval, or shorten the context")
+
+
+def max_context_tokens(model: nn.Module, settings: CacheSettings, working_window: int | None) -> int | None:
+    """The longest context (raw tokens) :func:`check_context` lets through: what a caller may read and
+    tokenize at most before refusing (None: no limit). Both limits grow with the number of L1 entries,
+    about one per ``interval`` tokens, which bounds the bisection over the plan."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    entries = min(x for x in (working_window, positions) if x is not None) if (working_window or positions) else None
+    if entries is None:
+        return None
+    low, high = 0, (entries + 2) * settings.interval + settings.first_chunk + settings.stride
+    while low < high:
+        mid = (low + high + 1) // 2
+        try:
+            check_context(model, mid, settings, working_window)
+        except ContextTooLongError:
+            high = mid - 1
+        else:
+            low = mid
+    return low
 
 
 def build_cache(

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..modeling.adapter import acre_forward
 from ..modeling.interleave import interleave
-from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint
+from .cache import (BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint,
+                    max_context_tokens)
 from ..data.prompt import PromptFormat
 from .decode import decode
 from .placement import execution_device
@@ -42,6 +43,8 @@ class Answer:
     num_l1: int
     cache_length: int  # refilled cache length P (L1 entries + refilled raw tokens)
     open_chunk: int = 0  # tokens after the refilled cache before decoding: raw tail + question + their L1 tokens
+    # score_s (= score_pass_s + select_s when scored), refill_s, prefill_s: the time to the first token;
+    # decode_s: the len(token_ids) - 1 decoding steps after it
     timings: dict[str, float] = field(default_factory=dict)
     refilled: torch.Tensor | None = None  # [N_closed] bool: the finished chunks' raw tokens refilled
 
@@ -107,9 +110,11 @@ class AcreEngine:
         self.refill = refill or RefillSettings()
         self.prompt = prompt or PromptFormat(tokenizer)
         self.backend = backend
-        # close_tail: run the context's raw tail once at build time, over the L1 memory, and keep its KV;
-        # a question then runs only its own tokens (to score and to prefill). What changes: the tail
-        # attends to the L1 memory, not to the refilled spans (it cannot know the question).
+        # Every build runs the context's raw tail once over the L1 memory and keeps its KV: the scoring pass
+        # sees exactly that (the tail before any refill), so a question's scoring pass runs only its own
+        # tokens. close_tail: the prefill reuses that KV too, so a question runs only its own tokens there
+        # as well. What changes then: the tail attends to the L1 memory, not to the refilled spans (it
+        # cannot know the question); off, the tail re-runs over every refilled cache, as training has it.
         self.close_tail = close_tail
         self.device = execution_device(model)
         self._fingerprint: str | None = None
@@ -129,7 +134,7 @@ class AcreEngine:
         ids = self.prompt.context_ids(context) if isinstance(context, str) else list(context)
         cache = build_cache(self.model, ids, self.cache_settings, working_window=self.refill.working_window,
                             progress=progress, kernel_backend=self.backend)
-        if self.close_tail and cache.tail_ids:
+        if cache.tail_ids:
             self._close_tail(cache)
         if self.tokenizer is not None:  # what refill.grow_shape=sentences snaps to (ids past L2: the next token's space)
             cache.sentence_ends = sentence_ends(self.tokenizer, ids, self._pieces)[: cache.num_l2]
@@ -138,6 +143,25 @@ class AcreEngine:
             for layer in scorer.resolved_layers(self.model.config.num_hidden_layers):
                 cache.key_box(self.model, layer, scorer.sinks)
         return cache
+
+    def read_context(self, path, piece_chars: int = 1 << 20) -> str:
+        """The text of a context file, read and counted in pieces: a file longer than this engine can serve
+        is refused once its first pieces pass the limit, before the whole of it is read or tokenized."""
+        limit = max_context_tokens(self.model, self.cache_settings, self.refill.working_window)
+        limit = float("inf") if limit is None else limit
+        pieces, count = [], 0
+        with open(path, encoding="utf-8") as f:
+            while piece := f.read(piece_chars):
+                pieces.append(piece)
+                if self.tokenizer is not None:  # a piece's edges split at most a token or two differently
+                    count += len(self.tokenizer(piece, add_special_tokens=False)["input_ids"]) - 2
+                    if count > limit:
+                        raise ContextTooLongError(
+                            f"{path} holds more than the {limit:,} tokens this export can serve (W = "
+                            f"{self.refill.working_window}, interval {self.cache_settings.interval}, position window "
+                            f"{getattr(self.model.config, 'max_position_embeddings', '?')}); stopped reading after "
+                            f"{sum(map(len, pieces)):,} characters")
+        return "".join(pieces)
 
     def load_cache(self, path) -> BiLayerCache:
         return BiLayerCache.load(path, self.model, self.cache_settings)
@@ -184,11 +208,14 @@ class AcreEngine:
             scorer = settings.scorer
             layers = scorer.resolved_layers(self.model.config.num_hidden_layers)
             queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
+            timings["score_pass_s"] = time.perf_counter() - tic  # the question through the scoring layers
             scores, refill_tokens = choose_refill(self.model, cache, queries, scorer, k, neighbors=settings.neighbors,
                                            grow=settings.grow, grow_shape=settings.grow_shape)
         else:
             refill_tokens = span_tokens(cache.span_bounds, torch.arange(k))  # all or nothing: no need to score
         timings["score_s"] = time.perf_counter() - tic
+        if "score_pass_s" in timings:  # the rest: ranking the spans and choosing the tokens to refill
+            timings["select_s"] = timings["score_s"] - timings["score_pass_s"]
 
         tic = time.perf_counter()
         refilled = assemble(self.model, cache, refill_tokens, settings.positions)
@@ -199,7 +226,9 @@ class AcreEngine:
         interval = self.cache_settings.interval
         capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
         kv = _KV(refilled.keys, refilled.values, capacity, position=refilled.next_position)
-        if cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
+        if self.close_tail and cache.tail_ids and cache.tail_keys is None:  # a cache saved without it
+            self._close_tail(cache)
+        if self.close_tail and cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
             rope = Rope.of(self.model)
             kv.extend({layer: (rope.rotate(cache.tail_keys[layer], torch.arange(kv.position, kv.position + cache.tail_keys.shape[2])),
                                cache.tail_values[layer]) for layer in range(cache.tail_keys.shape[0])})
@@ -238,7 +267,9 @@ class AcreEngine:
 
         The tail and question run as the open chunk over the L1 cache alone, exactly as the training
         plan has it (L1 keys at memory positions ``j``, the chunk at ``m + i``); the question's raw
-        tokens' rotated queries are taken, and the forward stops after the last wanted layer.
+        tokens' rotated queries are taken, and the forward stops after the last wanted layer. The tail's
+        part of that pass is the same for every question: the build ran it once and kept its KV
+        (``cache.tail_keys``), so only the question's tokens run here.
         """
         wanted = sorted(set(layers))
         m = cache.num_l1

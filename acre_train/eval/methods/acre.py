@@ -141,7 +141,7 @@ class Acre(EvalMethod):
         ans = engine.answer(cache, list(example.suffix_ids), max_new_tokens=generation.max_new_tokens,
                             stop_token_ids=tuple(sorted(generation.stop_ids)), stop_at_eos=False)
         open_chunk = ans.open_chunk  # raw tail + question + their L1 tokens (the question alone: closed tail)
-        if cache.tail_keys is not None:
+        if engine.close_tail and cache.tail_keys is not None:
             open_chunk += int(cache.tail_keys.shape[2])
         t = ans.timings
         cost = CostRecord(
