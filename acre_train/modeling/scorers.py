@@ -243,7 +243,9 @@ def _grouped_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     heads, n, dim = q.shape
     kv = k.shape[0]
     stacked = q.reshape(kv, (heads // kv) * n, dim)
-    return torch.matmul(stacked, k.float().transpose(1, 2)).reshape(heads, n, -1) / math.sqrt(dim)
+    logits = torch.matmul(stacked, k.float().transpose(1, 2)).reshape(heads, n, -1)
+    # In place where no gradient flows (ranking): the same division, without a second [H, n, N] tensor.
+    return logits / math.sqrt(dim) if logits.requires_grad else logits.div_(math.sqrt(dim))
 
 
 # --------------------------------------------------------------------------------------- scores
@@ -284,7 +286,7 @@ def l2_mass(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor]
     for q, k in zip(queries, l2_keys_rot, strict=True):
         logits = _grouped_logits(q.float(), k.to(q.device))
         if ignore is not None and bool(ignore.any()):
-            logits = logits.masked_fill(ignore.to(logits.device), float("-inf"))
+            logits = logits.masked_fill_(ignore.to(logits.device), float("-inf"))
         out.append(torch.softmax(logits, dim=-1))
     return out
 
@@ -299,9 +301,30 @@ def segment_scores(mass: Sequence[torch.Tensor], starts: torch.Tensor, ends: tor
     per_layer = []
     for probs in mass:
         # Sum per segment through a prefix sum over the L2 axis (segments are contiguous).
-        csum = torch.cat([probs.new_zeros(*probs.shape[:2], 1), probs.cumsum(-1)], dim=-1)
+        csum = probs.cumsum(-1)
         a, b = starts.to(probs.device, torch.long), ends.to(probs.device, torch.long)
-        per_layer.append(_pool(csum[..., b] - csum[..., a], heads))
+        per_layer.append(_pool(_before(csum, b) - _before(csum, a), heads))
+    return torch.stack(per_layer).mean(dim=0)
+
+
+def _before(csum: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The mass before token ``index`` (``csum[..., index - 1]``, 0 at index 0): a prefix sum read without
+    first copying it behind a column of zeros (the same values; at 128K tokens the copy cost more than
+    the sum)."""
+    return csum[..., (index - 1).clamp(min=0)].masked_fill_(index == 0, 0.0)
+
+
+def window_scores(mass: Sequence[torch.Tensor], width: int, count: int, heads: str = "mean") -> torch.Tensor:
+    """:func:`segment_scores` of the ``count`` windows ``[s, s + width)``, ``s = 0..count-1``: the same
+    arithmetic read through slices of the prefix sum (no gathered copies: at 128K tokens those were most
+    of a question's selection time)."""
+    per_layer = []
+    for probs in mass:
+        csum = probs.cumsum(-1)
+        sums = csum[..., width - 1 : width - 1 + count].clone()  # window s ends at token s + width - 1
+        sums[..., 1:] -= csum[..., : count - 1]  # ... and starts after token s - 1 (window 0: nothing before)
+        del csum
+        per_layer.append(_pool(sums, heads))
     return torch.stack(per_layer).mean(dim=0)
 
 
@@ -399,7 +422,8 @@ GROW_SHAPES = ("attention", "centered", "densest", "sentences")
 
 def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, width: int, seeds: int,
                 heads: str = "mean", taken: torch.Tensor | None = None, shape: str = "attention",
-                sentence_ends: torch.Tensor | None = None) -> torch.Tensor:
+                sentence_ends: torch.Tensor | None = None,
+                spend: bool = False) -> torch.Tensor:
     """Token-granular refill: ``[num_tokens]`` bool, at most ``budget`` tokens taken.
 
     Evidence rarely sits on span boundaries: a needle cut in two comes back by half, a sentence longer
@@ -407,7 +431,8 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
     least ``width`` tokens clear of what is taken), then the rest of the budget grows the taken regions
     one token at a time, always by the untaken neighbouring token with the most mass. ``mass``: per
     layer ``[H, n, N2]`` (:func:`l2_mass`), pooled as every scorer is; ``taken``: tokens refilled
-    whatever their score (kept sinks, forced evidence), counted in the budget.
+    whatever their score (kept sinks, forced evidence), counted in the budget. ``spend``: the caller
+    needs ``mass`` no more, so it may be overwritten (no second copy at long contexts).
 
     The greedy growth follows the attention: a seed grows into the sentence around it while it
     is attended, and stops growing where another region's edge is attended more.
@@ -446,9 +471,9 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
             raise ValueError("grow shape 'sentences' needs the context's sentence ends (a cache built by an engine "
                              "with the tokenizer)")
         ends = sentence_ends[:num_tokens].cpu().bool() if shape == "sentences" else None
-        return _densest_regions(mass, taken, budget=budget, width=width, seeds=seeds, heads=heads, ends=ends)
-    grid = torch.arange(num_tokens + 1)
-    window = segment_scores(mass, grid[: num_tokens - width + 1], grid[width:], heads).cpu()
+        return _densest_regions(mass, taken, budget=budget, width=width, seeds=seeds, heads=heads, ends=ends,
+                                spend=spend)
+    window = window_scores(mass, width, num_tokens - width + 1, heads).cpu()
     used, placed = int(taken.sum()), 0
     size = max(width, (budget - used) // max(1, seeds)) if shape == "centered" else width
     for s in torch.argsort(window, descending=True, stable=True).tolist():
@@ -464,7 +489,7 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
         placed += 1
     if shape == "centered":
         return taken
-    token = segment_scores(mass, grid[:-1], grid[1:], heads).cpu().tolist()  # growth only
+    token = window_scores(mass, 1, num_tokens, heads).cpu().tolist()  # growth only
     frontier: list[tuple[float, int]] = []
 
     def push(t: int) -> None:
@@ -491,17 +516,16 @@ def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, w
 
 
 def _densest_regions(mass: Sequence[torch.Tensor], taken: torch.Tensor, *, budget: int, width: int, seeds: int,
-                     heads: str, ends: torch.Tensor | None = None) -> torch.Tensor:
+                     heads: str, ends: torch.Tensor | None = None, spend: bool = False) -> torch.Tensor:
     """``grow_tokens(shape="densest")``: ``seeds`` disjoint windows of the budget's share, most mass first
     (``ends``: each moved onto whole sentences, ``shape="sentences"``)."""
     num_tokens, used = len(taken), int(taken.sum())
     size = min(num_tokens, max(width, (budget - used) // max(1, seeds)))
-    grid = torch.arange(num_tokens + 1)
     # What is taken already (kept sinks: the instruction the question attends to) wins no region.
     free = torch.ones(mass[0].shape[-1], dtype=mass[0].dtype, device=mass[0].device)
     free[:num_tokens] = (~taken).to(free)
-    mass = [m * free for m in mass]
-    window = segment_scores(mass, grid[: num_tokens - size + 1], grid[size:], heads).cpu()
+    mass = [m.mul_(free) for m in mass] if spend else [m * free for m in mass]
+    window = window_scores(mass, size, num_tokens - size + 1, heads).cpu()
     regions = torch.zeros(num_tokens, dtype=torch.bool)
     placed = 0
     for s in torch.argsort(window, descending=True, stable=True).tolist():
@@ -701,7 +725,7 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
         taken = kept if taken is None else (taken | kept)
     interval = int(torch.diff(bounds).max()) if len(bounds) > 1 else 1
     return scores, grow_tokens(mass, num_tokens=int(bounds[-1]), budget=k * interval, width=interval, seeds=grow,
-                               heads=scorer.heads, taken=taken, shape=grow_shape, sentence_ends=ends)
+                               heads=scorer.heads, taken=taken, shape=grow_shape, sentence_ends=ends, spend=True)
 
 
 def _query_map(model, scorer: ScorerSettings, layers: list[int]):
