@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 
 
 def machine_rates(device: str) -> dict[str, float]:
@@ -62,9 +63,10 @@ def build_floor(model, *, rows: float, pairs: float, rates: dict[str, float]) ->
     return flops / (rates["gflops"] * 1e9)
 
 
-def acre_build_work(num_raw: int, first_chunk: int, stride: int, interval: int) -> tuple[int, int]:
+def acre_build_work(num_raw: int, first_chunk: int, stride: int, interval: int, per_chunk: list | None = None
+                    ) -> tuple[int, int]:
     """(rows, attended pairs) of ACRE's cache build: every finished chunk's rows (raw + L1) attend the
-    L1 entries of the chunks before it and themselves, causally."""
+    L1 entries of the chunks before it and themselves, causally. ``per_chunk``: filled with each chunk's rows."""
     from acre_train.infer.cache import finished_chunks
     from acre_train.infer.settings import CacheSettings
     from acre_train.modeling.interleave import interleave
@@ -77,6 +79,8 @@ def acre_build_work(num_raw: int, first_chunk: int, stride: int, interval: int) 
     for t in range(done):
         sel = plan.chunk_ids == t
         r = int(sel.sum())
+        if per_chunk is not None:
+            per_chunk.append(r)
         rows += r
         pairs += r * memory + r * (r + 1) // 2
         memory += int(plan.is_l1[sel].sum())
@@ -132,3 +136,16 @@ def shape_floor(model, *, rows: int, keys: float, rates: dict[str, float]) -> fl
     shape rate (:func:`gemm_seconds`) and attention's FLOPs at the matmul rate."""
     layers, heads, _, head_dim, _ = _shape(model)
     return gemm_seconds(model, rows) + 4 * layers * heads * head_dim * rows * keys / (rates["gflops"] * 1e9)
+
+
+def build_shape_floor(model, *, chunks: list[int], pairs: float, rates: dict[str, float]) -> float:
+    """Floor (s) of a build that runs ``chunks`` row counts through every layer (one forward each: ACRE's
+    chunks, or full attention's single prefill), attending ``pairs`` (row, key) pairs in all: the weight
+    products at the rate torch measures for those very shapes (:func:`gemm_seconds`, measured at up to
+    2048 rows and scaled by rows beyond), attention's FLOPs at the matmul rate."""
+    layers, heads, _, head_dim, _ = _shape(model)
+    weights = 0.0
+    for rows, count in sorted(Counter(chunks).items()):
+        measured = min(rows, 2048)
+        weights += count * gemm_seconds(model, measured) * rows / measured
+    return weights + 4 * layers * heads * head_dim * pairs / (rates["gflops"] * 1e9)

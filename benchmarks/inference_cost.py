@@ -1,24 +1,37 @@
-"""What ACRE inference costs against full-context attention, on the same small model, on this machine.
+"""What ACRE inference costs against full-context attention, on the same model, on this machine.
 
-For every context size: cache-build time (ACRE: streaming chunks into the bi-layer cache; full:
-one prefill into a transformers KV cache), per-question latency with the cache reused (question
-prefill + greedy decoding; ACRE adds scoring and refilling), peak memory over the run (process
-RSS high-water mark, or the CUDA allocator's peak), and the KV bytes each keeps (ACRE: L1 on the
-device, L2 in CPU memory). Every (method, size) runs in its own process so peaks do not mix.
+For every context size: the cache build (ACRE: streaming chunks into the bi-layer cache; full: one
+prefill into a KV cache), each question on the reused cache (time to first token, decoding per token,
+the whole answer; ACRE adds scoring and refilling), the KV entries each question attends, peak memory
+(process RSS high-water mark, or the CUDA allocator's peak) and the KV bytes each keeps (ACRE: L1 on
+the device, L2 in CPU memory). Every (method, size) runs in its own process so peaks do not mix, and
+every figure is printed beside its floor (benchmarks/floors.py: the work the arm chose, at this
+machine's rates measured in the same run).
 
-    python benchmarks/inference_cost.py                       # 8K 16K 32K 64K, ~4-8 min on 2 CPU cores
-    python benchmarks/inference_cost.py --sizes 4096 8192 --no-full --json out.json
-    python benchmarks/inference_cost.py --model base:qwen2.5-coder-0.5b-instruct --sizes 8192 16384 32768 \
-        --repeats 1 --threads 2        # the real base, ~25 min here (a 32K full prefill alone takes ~4 min)
+    python benchmarks/inference_cost.py                       # tiny random model, random ids, 8K..64K
+    python benchmarks/inference_cost.py --export shipped --text ../shared/data/squad-v2-dev.json \
+        --sizes 4096 16384 32768 65536 131072 --repeats 1 --questions 4 --threads 2 --json out.json
+    python benchmarks/inference_cost.py --export shipped --geometry paper --text ...   # W0 4096, S 2048, l 16
 
-Per question, the time is split: ACRE into scoring (the open chunk over the L1 cache), refill gather,
-prefill (the open chunk, i.e. the raw tail of the unfinished last chunk plus the question, over the
-refilled cache) and decoding; full attention into the question prefill and decoding. Each arm's build
-and question are printed beside their floor (benchmarks/floors.py: the work the arm chose, at this
-machine's matmul rate and read bandwidth measured in the same run).
+``--export shipped`` answers with the adapter that ships with acre-train on the fetched 0.5B base, with
+the geometry and refill selection of its card (what ``acre-train quickstart`` and ``chat`` run);
+``--export DIR`` with any export's stored settings. ``--geometry paper`` keeps the model but chunks as
+the paper does (W0 4096, S 2048, l 16, W 32K, eta 4096, the L1-key scorer at the last layer).
+``--text`` reads a SQuAD-format file: the context is its paragraphs in order, cut at the size, and the
+questions are those of the paragraphs it holds, rendered by the export's prompt for both arms. Full
+attention runs up to ``--full-max`` tokens (default: the base's position window); past that it is
+projected from the measured sizes by ``benchmarks/efficiency_report.py``, which writes the docs' table
+and plot from the JSON files.
 
-The model is random (costs do not depend on weights): Qwen2-shaped, 2 layers, hidden 128, 2 query
-heads / 1 KV head, fp32. Settings default to the paper's: W0 4096, S 2048, l 16, W 32K, eta 4096.
+Per question, ACRE's time is split: the scoring pass (the question over the L1 cache and the raw tail's
+KV, kept from the build), selection (ranking spans and choosing tokens), refill (gathering the chosen
+L2 tokens and rotating the cache), prefill (the open chunk: the raw tail and the question over the
+refilled cache; with ``--close-tail`` the question alone) and decoding. Full attention's: the question
+prefill and decoding.
+
+Without ``--export`` the model is random (costs do not depend on weights): Qwen2-shaped, 2 layers,
+hidden 128, 2 query heads / 1 KV head, fp32. Settings then default to the paper's: W0 4096, S 2048,
+l 16, W 32K, eta 4096.
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from floors import acre_build_work, build_floor, machine_rates, question_floor, shape_floor  # noqa: E402
+from floors import (acre_build_work, build_floor, build_shape_floor, machine_rates, question_floor,  # noqa: E402
+                    shape_floor)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +85,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-fold", action="store_true",
                    help="also time full attention's decoding steps with the single-query fold (modeling/sdpa.py) "
                         "and with the grouped-KV switch alone, alternated in the same process")
+    p.add_argument("--export", default=None,
+                   help="answer with an export's model and stored settings: a folder, or 'shipped' (the shipped "
+                        "stage 1+2 adapter on the fetched 0.5B base, as the quickstart runs it)")
+    p.add_argument("--geometry", choices=["export", "paper"], default="export",
+                   help="with --export: its stored geometry and selection, or the paper's (W0 4096, S 2048, "
+                        "l 16, W 32K, eta 4096, the L1-key scorer at the last layer)")
+    p.add_argument("--text", default=None, help="a SQuAD-format JSON file: real text and its questions "
+                                                 "(default: random token ids)")
+    p.add_argument("--tail-at-mean", action="store_true",
+                   help="contexts of SIZE - S/2 tokens: ACRE's raw tail (re-run by every question) at its mean length; "
+                        "sizes that are multiples of S otherwise leave no tail at all")
+    p.add_argument("--full-max", type=int, default=None,
+                   help="full attention runs up to this many context tokens (default: the model's position window)")
     p.add_argument("--json", default=None, help="also write all figures to this file")
     p.add_argument("--_child", nargs=2, metavar=("METHOD", "SIZE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -78,23 +105,80 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -------------------------------------------------------------------------------------- child side
 
-def _model(args):
-    from acre_train.modeling import attach_acre
-    from acre_train.tiny import tiny_model
+PAPER = {"first_chunk": 4096, "stride": 2048, "interval": 16, "working_window": 32768, "max_refill": 4096,
+         "scorer": "l1:layers=-1", "grow": 0, "neighbors": False}
 
+
+def _setup(args):
+    """``(model, tokenizer or None, cache settings, refill settings)`` of the run."""
+    import torch
+
+    from acre_train.infer import CacheSettings, RefillSettings
+    from acre_train.modeling import attach_acre
+
+    decoding = {"max_new_tokens": args.new_tokens, "stop_at_eos": False}
+    if args.export:
+        from acre_train.infer.load import load_export
+        from acre_train.infer.settings import inference_settings
+
+        model, tokenizer, data = load_export(_export_dir(args.export), device=args.device, dtype=torch.float32)
+        overrides = dict(PAPER) if args.geometry == "paper" else {}
+        cache, refill = inference_settings(data, overrides)
+        return model, tokenizer, cache, refill.replace(**decoding)
     if args.model:  # a real base (folder or base:NAME), fp32, with untrained L1 projections
-        import torch
         from transformers import AutoModelForCausalLM
 
         from acre_train.base.fetch import resolve_source
 
         model = AutoModelForCausalLM.from_pretrained(resolve_source(args.model), dtype=torch.float32)
-        return attach_acre(model).to(args.device).eval()
-    longest = max(args.sizes) + args.question_tokens + args.new_tokens + 64
-    model = tiny_model("qwen2", vocab_size=1024, eos_token_id=0, max_position_embeddings=longest,
-                       hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
-    return attach_acre(model).to(args.device).eval()  # the same weights serve both methods
+        model = attach_acre(model).to(args.device).eval()
+    else:
+        from acre_train.tiny import tiny_model
+
+        longest = max(args.sizes) + args.question_tokens + args.new_tokens + 64
+        model = tiny_model("qwen2", vocab_size=1024, eos_token_id=0, max_position_embeddings=longest,
+                           hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                           num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+        model = attach_acre(model).to(args.device).eval()  # the same weights serve both methods
+    refill = RefillSettings(working_window=args.working_window, max_refill=args.max_refill, **decoding)
+    return model, None, CacheSettings(args.first_chunk, args.stride, args.interval), refill
+
+
+def _export_dir(name: str) -> Path:
+    if name != "shipped":
+        return Path(name)
+    from acre_train.quickstart import shipped_adapter_export
+
+    return shipped_adapter_export(REPO / "checkpoints" / "benchmarks" / "shipped-export")
+
+
+def _workload(args, size: int, tokenizer, stride: int) -> tuple[list[int], list[list[int]]]:
+    """``(context ids, question ids)``: ``size`` context tokens (``--tail-at-mean``: ``size - stride / 2``, so
+    ACRE's raw tail has its mean length over all context lengths) and ``questions + 2`` questions (one warms
+    up, one is untimed); real text and its own questions with ``--text``, random ids otherwise."""
+    count = args.questions + 2
+    size = size - stride // 2 if args.tail_at_mean else size
+    if not args.text:
+        return _tokens(size, 2), [_tokens(args.question_tokens, 9 + q) for q in range(count)]
+    from acre_train.data.prompt import PromptFormat
+
+    prompt = PromptFormat(tokenizer)
+    data = json.loads(Path(args.text).read_text(encoding="utf-8"))
+    paragraphs = [p for article in data["data"] for p in article["paragraphs"]]
+    text, asked, words = "", [], 0
+    for p in paragraphs:  # whole paragraphs while they fit (~1.3 tokens a word is plenty), then cut in tokens
+        if words > size:
+            break
+        text += ("\n\n" if text else "") + p["context"]
+        words += len(p["context"].split())
+        asked += [q["question"] for q in p["qas"] if q.get("answers")][:1]
+    ids = prompt.context_ids(text)
+    if len(ids) < size:
+        raise SystemExit(f"{args.text} holds {len(ids)} tokens of text, fewer than {size}")
+    held = ids[:size]
+    inside = [q for i, q in enumerate(asked) if i < len(asked) * size / len(ids)]  # asked of what the cut keeps
+    step = max(1, len(inside) // count)
+    return held, [prompt.question_ids(q) for q in inside[::step][:count]]
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -103,58 +187,109 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(5, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_acre(args, size: int, close_tail: bool = False) -> dict:
-    from acre_train.infer import AcreEngine, CacheSettings, RefillSettings
+def run_acre(args, size: int) -> dict:
+    """One build per context; its questions answered with the raw tail open (``open``) and, with
+    ``--close-tail``, on the same cache with the tail closed (``closed``)."""
+    from acre_train.infer import AcreEngine
     from acre_train.measure import PeakMemory
 
-    model = _model(args)
-    engine = AcreEngine(model, cache_settings=CacheSettings(args.first_chunk, args.stride, args.interval),
-                        refill=RefillSettings(working_window=args.working_window, max_refill=args.max_refill,
-                                              max_new_tokens=args.new_tokens, stop_at_eos=False), close_tail=close_tail)
-    engine.answer(engine.build(_tokens(args.first_chunk + 100, 0)), _tokens(8, 1))  # warm-up
-    builds, latencies, answers = [], [], []
+    model, tokenizer, cache_settings, refill = _setup(args)
+    engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
+    context, questions = _workload(args, size, tokenizer, cache_settings.stride)
+    warm_size = min(len(context), cache_settings.first_chunk + cache_settings.stride + 100)
+    engine.answer(engine.build(context[:warm_size], progress=False), questions[0])  # warm-up
+    builds = []
     with PeakMemory(args.device) as memory:
         for _ in range(args.repeats):
             cache = None  # free the previous cache before building the next one
             tic = time.perf_counter()
-            cache = engine.build(_tokens(size, 2), progress=False)
+            cache = engine.build(context, progress=False)
             builds.append(time.perf_counter() - tic)
-            engine.answer(cache, _tokens(args.question_tokens, 9))  # untimed: first-call costs (allocator, code paths)
-            for q in range(args.questions):
-                tic = time.perf_counter()
-                answers.append(engine.answer(cache, _tokens(args.question_tokens, 10 + q)))
-                latencies.append(time.perf_counter() - tic)
-    sizes = cache.nbytes()
-    a = answers[-1]
+            engine.answer(cache, questions[1])  # untimed: first-call costs (allocator, code paths, rotated keys)
+            tails = (False, True) if args.close_tail else (False,)
+            answered = {closed: _ask_acre(engine, cache, questions[2:], closed) for closed in tails}
     rates = machine_rates(args.device)
-    rows, pairs = acre_build_work(size, args.first_chunk, args.stride, args.interval)
-    return {"build_s": min(builds), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
-            "device_kv_mib": sizes["l1"] / 2**20, "cpu_kv_mib": sizes["l2"] / 2**20,
-            "working_cache_mib": _kv_mib(model, a.cache_length), "num_l1": cache.num_l1, "k": a.k,
-            "cache_length": a.cache_length, "open_chunk": a.open_chunk, **{k: v for k, v in a.timings.items()},
-            **rates, "floor_build_s": build_floor(model, rows=rows, pairs=pairs, rates=rates),
-            **acre_floor(model, engine, a, args.new_tokens, rates)}
+    chunks: list[int] = []
+    rows, pairs = acre_build_work(len(context), cache_settings.first_chunk, cache_settings.stride, cache_settings.interval,
+                                  chunks)
+    tail = int(cache.tail_keys.shape[2]) if cache.tail_keys is not None else 0
+    rows, pairs = rows + tail, pairs + tail * cache.num_l1 + tail * (tail + 1) // 2  # the build runs the raw tail once
+    chunks += [tail] if tail else []
+    sizes = cache.nbytes()
+    shared = {"build_s": min(builds), "peak_mib": memory.added_bytes / 2**20, "context_tokens": len(context),
+              "device_kv_mib": sizes["l1"] / 2**20, "cpu_kv_mib": sizes["l2"] / 2**20, "num_l1": cache.num_l1,
+              "selection": engine.refill.describe_selection(),
+              "geometry": [cache_settings.first_chunk, cache_settings.stride, cache_settings.interval,
+                           refill.working_window, refill.max_refill],
+              **rates, "floor_build_s": build_floor(model, rows=rows, pairs=pairs, rates=rates),
+              "shape_floor_build_s": build_shape_floor(model, chunks=chunks, pairs=pairs, rates=rates)}
+    out = {}
+    for closed, (answers, totals) in answered.items():
+        a = answers[-1]
+        tail = int(cache.tail_keys.shape[2]) if cache.tail_keys is not None else 0
+        out["closed" if closed else "open"] = {
+            **shared, "question_s": statistics.median(totals), "tail_plan": tail,
+            "ttft_s": statistics.median(x.timings["score_s"] + x.timings["refill_s"] + x.timings["prefill_s"] for x in answers),
+            "decode_token_s": statistics.median(x.timings["decode_s"] / max(1, len(x.token_ids) - 1) for x in answers),
+            "working_cache_mib": _kv_mib(model, a.cache_length), "k": a.k, "cache_length": a.cache_length,
+            "kv_attended": statistics.median(x.cache_length + x.open_chunk + (tail if closed else 0) for x in answers),
+            "open_chunk": a.open_chunk,
+            **{key: statistics.median(x.timings.get(key, 0.0) for x in answers)
+               for key in ("score_s", "score_pass_s", "select_s", "refill_s", "prefill_s", "decode_s")},
+            **acre_floor(model, engine, cache, a, args.new_tokens, rates, closed)}
+    return out
 
 
-def acre_floor(model, engine, answer, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
-    """ACRE's question floor: the scoring pass (the open chunk through the scoring layers, over the L1
-    cache), the open chunk's prefill over the refilled cache, then decoding over both."""
+def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool):
+    """``(answers, seconds each)`` of ``questions`` on ``cache``, the raw tail closed or not."""
+    engine.close_tail = close_tail
+    answers, totals = [], []
+    for q in questions:
+        tic = time.perf_counter()
+        answers.append(engine.answer(cache, q))
+        totals.append(time.perf_counter() - tic)
+    engine.close_tail = False
+    return answers, totals
+
+
+def acre_floor(model, engine, cache, answer, new_tokens: int, rates: dict[str, float], close_tail: bool
+               ) -> dict[str, float]:
+    """ACRE's question floor: the scoring pass (the question through the scoring layers, over the L1 cache
+    and the tail's kept KV), the raw-key scan (``l2``: the question's logits over every raw key of the
+    scoring layers), the prefill (open chunk, or the question alone with a closed tail, over the refilled
+    cache), then decoding over both."""
+    tail = int(cache.tail_keys.shape[2]) if cache.tail_keys is not None else 0
     n, cache_len = answer.open_chunk, answer.cache_length
-    layers = engine.refill.scorer.resolved_layers(model.config.num_hidden_layers)
+    question = n - tail if not close_tail else n  # rows the scoring pass runs
+    scorer = engine.refill.scorer
+    layers = scorer.resolved_layers(model.config.num_hidden_layers)
     depth = (max(layers) + 1) / model.config.num_hidden_layers  # the scoring pass stops at its last layer
-    score = question_floor(model, rows=n, keys=answer.num_l1 + n / 2, new_tokens=1, rates=rates)["floor_prefill_s"]
-    rest = question_floor(model, rows=n, keys=cache_len + n / 2, new_tokens=new_tokens, rates=rates)
-    return {"floor_score_s": depth * score, "floor_prefill_s": rest["floor_prefill_s"],
-            "floor_decode_s": rest["floor_decode_s"], "floor_question_s": depth * score + rest["floor_question_s"],
-            "shape_floor_score_s": depth * shape_floor(model, rows=n, keys=answer.num_l1 + n / 2, rates=rates),
-            "shape_floor_prefill_s": shape_floor(model, rows=n, keys=cache_len + n / 2, rates=rates),
-            "shape_floor_decode_s": (new_tokens - 1) * shape_floor(model, rows=1, keys=cache_len + n, rates=rates)}
+    heads, dim = model.config.num_attention_heads, model.model.layers[0].self_attn.head_dim
+    scan = 2 * heads * question * cache.num_l2 * dim * len(layers) if scorer.kind == "l2" else 0
+    scan_s = scan / (rates["gflops"] * 1e9)
+    keys_q = answer.num_l1 + tail + question / 2
+    score = question_floor(model, rows=question, keys=keys_q, new_tokens=1, rates=rates)["floor_prefill_s"]
+    prefill_keys = cache_len + (tail if close_tail else 0) + n / 2
+    rest = question_floor(model, rows=n, keys=prefill_keys, new_tokens=new_tokens, rates=rates)
+    steps = max(1, len(answer.token_ids) - 1)
+    shape_score = depth * shape_floor(model, rows=question, keys=keys_q, rates=rates) + scan_s
+    return {"floor_score_s": depth * score + scan_s, "floor_prefill_s": rest["floor_prefill_s"],
+            "floor_decode_s": rest["floor_decode_s"], "floor_decode_token_s": rest["floor_decode_s"] / max(1, new_tokens - 1),
+            "floor_question_s": depth * score + scan_s + rest["floor_question_s"],
+            "floor_ttft_s": depth * score + scan_s + rest["floor_prefill_s"],
+            "shape_floor_score_s": shape_score,
+            "shape_floor_prefill_s": shape_floor(model, rows=n, keys=prefill_keys, rates=rates),
+            "shape_floor_decode_s": steps * shape_floor(model, rows=1, keys=cache_len + n, rates=rates),
+            "shape_floor_ttft_s": shape_score + shape_floor(model, rows=n, keys=prefill_keys, rates=rates)}
 
 
 def full_floor(model, context: int, question: int, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
     """Full attention's floor: the question's rows over context + question, then decoding over them."""
     floor = question_floor(model, rows=question, keys=context + question, new_tokens=new_tokens, rates=rates)
-    return {**floor, "shape_floor_prefill_s": shape_floor(model, rows=question, keys=context + question, rates=rates),
+    prefill = shape_floor(model, rows=question, keys=context + question, rates=rates)
+    return {**floor, "floor_ttft_s": floor["floor_prefill_s"],
+            "floor_decode_token_s": floor["floor_decode_s"] / max(1, new_tokens - 1),
+            "shape_floor_prefill_s": prefill, "shape_floor_ttft_s": prefill,
             "shape_floor_decode_s": (new_tokens - 1) * shape_floor(model, rows=1, keys=context + question, rates=rates)}
 
 
@@ -165,12 +300,15 @@ def run_full(args, size: int) -> dict:
     from acre_train.measure import PeakMemory
     from acre_train.modeling.sdpa import grouped_kv_sdpa
 
-    model = _model(args)
+    model, tokenizer, cache_settings, _ = _setup(args)
     device = args.device
+    context, questions = _workload(args, size, tokenizer, cache_settings.stride)
+    size = len(context)
+    longest = max(len(q) for q in questions)
     rates = machine_rates(device)
 
     def new_cache(n: int):
-        return GrowingCache(capacity=n + args.question_tokens + args.new_tokens) if args.full_cache == "growing" else None
+        return GrowingCache(capacity=n + longest + args.new_tokens) if args.full_cache == "growing" else None
 
     def ask(cache, question: list[int]) -> dict[str, float]:
         """Greedy answer over the reused cache; the first forward is the question prefill, the rest decoding."""
@@ -185,30 +323,37 @@ def run_full(args, size: int) -> dict:
         return split
 
     with torch.no_grad():
-        warm = model(torch.tensor([_tokens(512, 0)], device=device), cache=new_cache(512), use_cache=True,
+        warm = model(torch.tensor([context[:512]], device=device), cache=new_cache(512), use_cache=True,
                      logits_to_keep=1).cache
-        ask(warm, _tokens(8, 1))
+        ask(warm, questions[0])
         del warm
         builds, latencies, splits = [], [], []
         with PeakMemory(device) as memory:
             for _ in range(args.repeats):
                 cache = None  # free the previous cache before building the next one
                 tic = time.perf_counter()
-                cache = model(torch.tensor([_tokens(size, 2)], device=device), cache=new_cache(size), use_cache=True,
-                              logits_to_keep=1).cache
+                with grouped_kv_sdpa(device):
+                    cache = model(torch.tensor([context], device=device), cache=new_cache(size), use_cache=True,
+                                  logits_to_keep=1).cache
                 builds.append(time.perf_counter() - tic)
-                for q in range(-1, args.questions):  # q = -1: untimed first question, as for ACRE
+                for q, question in enumerate(questions[1:]):  # the first untimed, as for ACRE
                     tic = time.perf_counter()
-                    split = ask(cache, _tokens(args.question_tokens, 10 + q))
-                    if q >= 0:
+                    split = ask(cache, question)
+                    if q > 0:
                         latencies.append(time.perf_counter() - tic)
                         splits.append(split)
                     cache.crop(size - cache.get_seq_length())  # back to the context alone: the next question reuses it
         fold = _fold_ab(model, cache, size, args.new_tokens) if args.compare_fold else {}
     kv = _kv_mib(model, size)
-    return {"build_s": min(builds), "floor_build_s": build_floor(model, rows=size, pairs=size * (size + 1) / 2, rates=rates), "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
+    q_len = statistics.median(len(q) for q in questions[2:])
+    return {"build_s": min(builds), "floor_build_s": build_floor(model, rows=size, pairs=size * (size + 1) / 2, rates=rates),
+            "shape_floor_build_s": build_shape_floor(model, chunks=[size], pairs=size * (size + 1) / 2, rates=rates),
+            "question_s": statistics.median(latencies), "peak_mib": memory.added_bytes / 2**20,
+            "ttft_s": statistics.median(s["prefill_s"] for s in splits),
+            "decode_token_s": statistics.median(s["decode_s"] for s in splits) / max(1, args.new_tokens - 1),
             "device_kv_mib": kv, "cpu_kv_mib": 0.0, "working_cache_mib": kv, "cache_length": size,
-            "cache": args.full_cache, **rates, **full_floor(model, size, args.question_tokens, args.new_tokens, rates),
+            "kv_attended": size + q_len, "context_tokens": size,
+            "cache": args.full_cache, **rates, **full_floor(model, size, int(q_len), args.new_tokens, rates),
             **{key: statistics.median(s[key] for s in splits) for key in ("prefill_s", "decode_s")}, **fold}
 
 
@@ -265,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         method, size = args._child[0], int(args._child[1])
-        result = run_acre(args, size, close_tail=method == "acre-closed") if method.startswith("acre") else run_full(args, size)
+        result = run_acre(args, size) if method == "acre" else run_full(args, size)
         print(json.dumps(result))
         return 0
 
@@ -273,22 +418,47 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = args.model or f"qwen2-shaped, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads"
+    shape = (f"export {args.export} ({args.geometry} geometry)" if args.export else args.model
+             or f"qwen2-shaped, {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads")
     print(f"model: {shape}, fp32, {args.device}; torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {os.getloadavg()[0]:.1f}")
-    print(f"ACRE: W0 {args.first_chunk}, S {args.stride}, l {args.interval}, W {args.working_window}, "
-          f"eta {args.max_refill}; {args.questions} questions of {args.question_tokens} tokens, "
-          f"{args.new_tokens} new tokens each; fastest of {args.repeats} builds, median question\n")
+    text = f"real text from {args.text}" if args.text else f"random ids, questions of {args.question_tokens} tokens"
+    geometry = "the export's" if args.export else (f"W0 {args.first_chunk}, S {args.stride}, l {args.interval}, "
+                                                   f"W {args.working_window}, eta {args.max_refill}")
+    print(f"ACRE: {geometry}; {text}; {args.questions} timed questions, {args.new_tokens} new tokens each; "
+          f"fastest of {args.repeats} builds, median question\n")
+    full_max = args.full_max or _position_window(args)
     rows = []
     for size in args.sizes:
-        acre = {"error": "skipped"} if args.no_acre else measure(args, "acre", size)
-        closed = measure(args, "acre-closed", size) if args.close_tail else None
-        full = {"error": "skipped"} if args.no_full else measure(args, "full", size)
+        both = {"open": {"error": "skipped"}} if args.no_acre else measure(args, "acre", size)
+        acre, closed = both.get("open", both), both.get("closed") if args.close_tail else None
+        if args.no_full:
+            full = {"error": "skipped"}
+        elif full_max is not None and size > full_max:
+            full = {"error": f"beyond {full_max} tokens (--full-max, the position window): projected in the report"}
+        else:
+            full = measure(args, "full", size)
         rows.append({"size": size, "acre": acre, "full": full, **({"acre_closed_tail": closed} if closed else {})})
         _print_row(size, acre, full, closed)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "_child"},
                                                "rows": rows}, indent=2))
     return 0
+
+
+def _position_window(args) -> int | None:
+    """The model's ``max_position_embeddings`` (None for the tiny model, sized to the longest context)."""
+    if not (args.export or args.model):
+        return None
+    if args.export:
+        config = json.loads((_export_dir(args.export) / "config.json").read_text())
+        if config.get("adapter_only") and config.get("base_model"):
+            config = json.loads((Path(config["base_model"]) / "config.json").read_text())
+        return config.get("max_position_embeddings")
+    from transformers import AutoConfig
+
+    from acre_train.base.fetch import resolve_source
+
+    return getattr(AutoConfig.from_pretrained(resolve_source(args.model)), "max_position_embeddings", None)
 
 
 def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) -> None:
@@ -303,16 +473,21 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
             print(f"  {name:<5} {r['error']}")
             continue
         extra = f", {r['num_l1']} L1 entries, k={r['k']}, refilled cache {r['cache_length']}" if name.startswith("ACRE") else ""
-        split = " + ".join(f"{key[:-2]} {r[key]:.3f}" for key in ("score_s", "refill_s", "prefill_s", "decode_s") if key in r)
+        split = " + ".join(f"{key[:-2]} {r[key]:.3f}" for key in ("score_pass_s", "select_s", "refill_s", "prefill_s", "decode_s")
+                           if r.get(key) or key in ("prefill_s", "decode_s"))
+        split += (f" s; first token after {r['ttft_s']:.3f}s (floor {r['floor_ttft_s']:.3f}), "
+                  f"{1e3 * r['decode_token_s']:.0f} ms per decoded token, {r['kv_attended']:.0f} KV entries attended")
         print(f"  {name:<5} build {r['build_s']:7.2f}s | per question {r['question_s']:6.3f}s | peak +{r['peak_mib']:7.1f} MiB"
               f" | KV on device {r['device_kv_mib']:6.1f} MiB, in CPU memory {r['cpu_kv_mib']:6.1f} MiB{extra}")
-        print(f"        per question: {split} s")
+        print(f"        per question: {split}")
     print(f"  full / ACRE: build {ratio('build_s')}, per question {ratio('question_s')}, peak memory {ratio('peak_mib')}, "
           f"device KV {ratio('device_kv_mib')}, attended cache {ratio('working_cache_mib')}")
     for name, r in (("ACRE", acre), ("full", full)):
         if "floor_build_s" in r:
+            shape = (f", {r['build_s'] / r['shape_floor_build_s']:.2f}x the floor at its products' measured rate "
+                     f"{r['shape_floor_build_s']:.2f}s" if r.get("shape_floor_build_s") else "")
             print(f"  {name} build {r['build_s']:.2f}s against its floor {r['floor_build_s']:.2f}s "
-                  f"({r['build_s'] / r['floor_build_s']:.2f}x), peak +{r['peak_mib']:.0f} MiB")
+                  f"({r['build_s'] / r['floor_build_s']:.2f}x{shape}), peak +{r['peak_mib']:.0f} MiB")
     if "floor_question_s" in acre:
         print(f"  ACRE's floor: question {acre['floor_question_s']:.3f}s = score {acre['floor_score_s']:.3f} + prefill "
               f"{acre['floor_prefill_s']:.3f} + decode {acre['floor_decode_s']:.3f} (open chunk {acre['open_chunk']} tokens); "
@@ -337,7 +512,8 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
               f"({full['switch_step_s'] / full['fold_step_s']:.2f}x; alternated, median)")
     if closed and "error" not in closed and "error" not in acre:
         print(f"  closed tail: per question {closed['question_s']:.3f}s vs {acre['question_s']:.3f}s open "
-              f"({acre['question_s'] / closed['question_s']:.2f}x faster), build {closed['build_s']:.2f}s")
+              f"({acre['question_s'] / closed['question_s']:.2f}x faster), first token after {closed['ttft_s']:.3f}s vs "
+              f"{acre['ttft_s']:.3f}s (the same build)")
 
 
 if __name__ == "__main__":

@@ -63,3 +63,17 @@ def test_methods_cost_runs_small_with_each_methods_floor_beside():
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [r[1] for r in rows] == methods.split(",")
     assert all(float(r[-1]) > 0 and float(r[-2]) > 0 for r in rows)  # x floor and the floor itself
+
+
+def test_scorer_cost_times_every_scorer_and_selection_option():
+    out = subprocess.run([sys.executable, "benchmarks/scorer_cost.py", "--lengths", "1024", "--repeat", "1",
+                          "--threads", "1", "--layers", "2"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from importlib import util
+
+    spec = util.spec_from_file_location("scorer_cost", ROOT / "benchmarks" / "scorer_cost.py")
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("1024 |")]
+    assert len(rows) == 4 and len(rows[-1].split("|")) == 1 + len(module.OPTIONS)  # 3 scorers, then every option
