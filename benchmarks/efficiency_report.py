@@ -194,7 +194,10 @@ def report(runs: dict[str, dict]) -> tuple[str, str]:
                  f"{machine(export)}. Each context is the nominal size minus half a stride, so ACRE's raw tail "
                  "has its mean length. 'first token' is a question's time to its first token on the reused cache; "
                  "floors (benchmarks/floors.py) price every FLOP at the run's matmul rate and each decoding step "
-                 "at its weight-read time.", "", *table(export), "", "![efficiency](efficiency.png)", "",
+                 "at its weight-read time; 'at its shapes' rate' prices the weight products at the rate torch "
+                 "reaches for the build's own row counts, measured in the same run.", "",
+                 *[f"    {cmd}" for cmd in export.get("runs", [])], *([""] if export.get("runs") else []),
+                 *table(export), "", "![efficiency](efficiency.png)", "",
                  "Memory of the bi-layer cache: formula against the measured bytes "
                  "(per token per layer: L2 `2·H_kv·D·b`, L1 `3·H_kv·D·b / l`, each scoring layer's rotated raw keys "
                  "`H_kv·D·b`; here H_kv 2, D 64, b 4, 24 layers):", "", *memory_check(export), ""]

@@ -77,3 +77,33 @@ def test_scorer_cost_times_every_scorer_and_selection_option():
     spec.loader.exec_module(module)
     rows = [line for line in out.stdout.splitlines() if line.strip().startswith("1024 |")]
     assert len(rows) == 4 and len(rows[-1].split("|")) == 1 + len(module.OPTIONS)  # 3 scorers, then every option
+
+
+def test_the_published_efficiency_tables_are_what_the_committed_runs_give():
+    """docs/real-base/efficiency/README.md and the README's table are written by efficiency_report.py from the
+    committed JSON: an edit to either by hand, or new data without the tables, fails here."""
+    out = subprocess.run([sys.executable, "benchmarks/efficiency_report.py", "--check"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_full_attention_past_its_window_is_projected_from_its_measured_curve():
+    from importlib import util
+
+    spec = util.spec_from_file_location("efficiency_report", ROOT / "benchmarks" / "efficiency_report.py")
+    report = util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    measured = {n: {"build_s": 2e-3 * n + 1e-7 * n * n, "ttft_s": 0.1 + 1e-4 * n, "decode_token_s": 0.2 + 1e-6 * n,
+                    "peak_mib": 10 + 0.01 * n, "floor_build_s": 1e-3 * n, "floor_ttft_s": 0.05, "context_tokens": n,
+                    "question_s": 1.0, "kv_attended": n}
+                for n in (4096, 16384, 32768)}
+    run = {"args": {"new_tokens": 8},
+           "rows": [{"size": n, "acre": {"context_tokens": n}, "full": measured.get(n, {"error": "beyond"})}
+                    for n in (4096, 16384, 32768, 65536)]}
+    full = report.full_rows(run)
+    assert not full[32768]["projected"] and full[65536]["projected"]
+    n = 65536
+    assert abs(full[n]["build_s"] - (2e-3 * n + 1e-7 * n * n)) < 1e-6 * full[n]["build_s"]
+    assert abs(full[n]["ttft_s"] - (0.1 + 1e-4 * n)) < 1e-9 * n
+    assert abs(full[n]["question_s"] - (full[n]["ttft_s"] + 7 * full[n]["decode_token_s"])) < 1e-9
+    assert "*projected*" in "\n".join(report.table(run | {"rows": [dict(r, acre={"error": "x"}) for r in run["rows"]]}))
