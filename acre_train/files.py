@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import pickle
+import stat
 from contextlib import contextmanager
 from pathlib import Path
-import os
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI imports this module at start-up
@@ -227,35 +228,67 @@ class FolderLock:
 
     def __enter__(self) -> "FolderLock":
         import fcntl
-        import os
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "?"
-            handle.close()
-            raise FolderBusy(f"{self.folder} is in use by another {self.what} (pid {holder}); wait for it to "
-                             "finish, or choose another output") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        self._file = handle
+        while True:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode("utf-8", "replace").strip() or "?"
+                os.close(fd)
+                raise FolderBusy(f"{self.folder} is in use by another {self.what} (pid {holder}); wait for it to "
+                                 "finish, or choose another output") from None
+            # The holder before us removes the file as it finishes: a lock on that removed file guards
+            # nothing (a third process may hold a new one), so hold it only if it is still the file here.
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._file = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, opened without following a link (a planted link would make the lock write the
+        pid into whatever it points to) and only if it is a regular file."""
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if self.path.is_symlink():
+                raise FolderBusy(f"{self.path} (the lock beside {self.folder}) is a symbolic link; acre-train "
+                                 "does not write through links: remove it") from None
+            if self.path.exists():
+                raise FolderBusy(f"{self.path} (the lock beside {self.folder}) is not a regular file: remove it") from None
+            raise FolderBusy(f"cannot open the lock file {self.path}: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FolderBusy(f"{self.path} (the lock beside {self.folder}) is not a regular file: remove it")
+        return fd
 
     def __exit__(self, *exc) -> None:
         import fcntl
 
         if self._file is not None:
-            # Removed while still held: a process that opened it before is refused; one that opens it
-            # after makes a new file, by which time this job's work is done.
-            self.path.unlink(missing_ok=True)
+            # Removed while still held: a process that opened it before finds it gone once it gets the
+            # lock and opens again; one that opens it after makes a new file, by which time this job's
+            # work is done.
+            if _same_file(self._file, self.path):
+                self.path.unlink(missing_ok=True)
             fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
+            os.close(self._file)
             self._file = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
+    try:
+        here = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def cache_root() -> Path:

@@ -232,3 +232,59 @@ def test_the_folder_writer_publishes_whole_or_nothing_and_can_keep_what_another_
     with atomic_dir(final) as tmp:  # the default replaces
         (tmp / "a.txt").write_text("third")
     assert (final / "a.txt").read_text() == "third"
+
+
+# ----------------------------------------------------------------------------- folder locks
+
+def test_a_planted_link_at_the_lock_path_is_refused_and_its_target_untouched(tmp_path, capsys):
+    from acre_train.files import FolderBusy, FolderLock
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "export"
+    (tmp_path / ".export.lock").symlink_to(victim)
+    with pytest.raises(FolderBusy, match="symbolic link"):
+        with FolderLock(out, "export"):
+            pass
+    assert victim.read_text() == "precious\n"
+    # Through a verb that takes the lock: one line, exit 2, and still nothing written through the link.
+    (tmp_path / ".data.lock").symlink_to(victim)
+    assert cli_main(["preprocess", "stage1", "--builtin", "--output", str(tmp_path / "data")]) == 2
+    assert "symbolic link" in capsys.readouterr().err and victim.read_text() == "precious\n"
+    (tmp_path / ".export.lock").unlink()
+    (tmp_path / ".export.lock").mkdir()  # not a regular file either
+    with pytest.raises(FolderBusy, match="not a regular file"):
+        with FolderLock(out):
+            pass
+
+
+def test_a_lock_on_a_file_its_holder_removed_is_not_taken(tmp_path, monkeypatch):
+    """Two lockers race the holder's unlink: the one that locked the removed file must open again (and then
+    be refused by the one that made the new file), never both hold "the" lock."""
+    import fcntl
+    import os
+
+    import acre_train.files as files
+
+    out = tmp_path / "run"
+    lock = files.FolderLock(out)
+    holder = files.FolderLock(out)
+    first = {"done": False}
+    real_open = files.FolderLock._open
+
+    def open_then_lose_the_race(self):
+        fd = real_open(self)
+        if not first["done"]:  # between our open and our flock, the file is removed and made anew by another
+            first["done"] = True
+            os.unlink(self.path)
+            holder.__enter__()
+        return fd
+
+    monkeypatch.setattr(files.FolderLock, "_open", open_then_lose_the_race)
+    with pytest.raises(files.FolderBusy, match=f"pid {os.getpid()}"):
+        lock.__enter__()  # it locked the removed file, saw that, opened the new one: held by `holder`
+    holder.__exit__(None, None, None)
+    assert not lock.path.exists()
+    with files.FolderLock(out) as again:  # free again once the holder is gone
+        assert lock.path.read_text() == str(os.getpid())
+    del fcntl, again
