@@ -208,3 +208,71 @@ def test_every_verb_has_examples_that_parse():
             args, unknown = parser.parse_known_args(argv[1:])
             assert args.verb == verb and all("=" in u for u in unknown), (line, unknown)
     assert set(cli.EXAMPLES) == set(cli.VERBS)
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    bomb = ["run_name: bomb", "data: {path: x}", 'a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for level in "bcdefghi":  # 9^9 strings once expanded
+        prev = chr(ord(level) - 1)
+        bomb.append(f"{level}: &{level} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(bomb) + "\n")
+    assert path.stat().st_size < 1200
+    with pytest.raises(RecipeError, match=r"line 4, column \d+: aliases \(\*name\) are not allowed"):
+        load_recipe(path)
+
+
+def test_yaml_syntax_errors_and_python_tags_are_one_line_recipe_errors(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("run_name: x\ndata:\n  path: [unclosed\n")
+    with pytest.raises(RecipeError, match=r"not valid YAML at line \d+, column \d+"):
+        load_recipe(path)
+    path.write_text("run_name: !!python/object/apply:os.system ['echo pwned']\ndata: {path: x}\n")
+    with pytest.raises(RecipeError, match="not valid YAML at line 1"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match="override value"):
+        load_recipe(TINY, ["train.learning_rate=[1e-4"])
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs/run", "a/b", "..", ".", "", "back\\slash"])
+def test_run_name_is_one_folder_name_inside_output_root(name):
+    with pytest.raises(RecipeError, match="run_name must be one folder name"):
+        load_recipe(TINY, [f"run_name={name!r}" if name else "run_name=''"])
+
+
+def test_data_from_another_tokenizer_is_refused_by_validate_and_train(tmp_path, capsys):
+    """Ids beyond the model's embedding (a larger tokenizer) and a same-size tokenizer that is not the
+    base's own are both refused before any step, naming the data's tokenizer and the model."""
+    from acre_train.data import Stage1Settings, prepare_stage1
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+    from acre_train.tiny import tiny_model
+    from acre_train.train import train
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"The quick brown fox {i} jumps over the lazy dog. " * 40}) + "\n"
+                              for i in range(4)))
+    data = tmp_path / "data"
+    prepare_stage1(Stage1Settings(inputs=(str(corpus),), output=data, tokenizer="tiny", min_length=192,
+                                  max_length=384, token_budget=None, first_chunk=64, stride=32, intervals=(4, 8, 16)),
+                   log=lambda *_: None)
+    base = [str(TINY), f"data.path={data}", "data.prepare=null", f"output_root={tmp_path}", "train.max_steps=1"]
+
+    small = [*base, "model.tiny_config={vocab_size: 64, eos_token_id: 0}"]
+    assert cli.main(["validate", *small]) == 2
+    err = capsys.readouterr().err
+    assert "(tokenized with tiny) holds token id" in err and "has 64 embedding rows" in err
+    with pytest.raises(RecipeError, match="has 64 embedding rows"):
+        train(load_recipe(small[0], [*small[1:], "run_name=small"]))
+
+    tok = tiny_tokenizer()  # the same vocabulary, another chat template: another tokenizer
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    folder = tmp_path / "base"
+    tiny_model("qwen2", vocab_size=len(tok), eos_token_id=0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    foreign = [*base, f"model.source={folder}", "model.tiny_config={}"]
+    assert cli.main(["validate", *foreign]) == 2
+    assert f"another tokenizer than model.source {folder}'s own" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match="another tokenizer than model.source"):
+        train(load_recipe(foreign[0], [*foreign[1:], "run_name=foreign"]))
+    tiny_tokenizer().save_pretrained(folder)  # its own tokenizer again: accepted
+    assert cli.main(["validate", *foreign]) == 0

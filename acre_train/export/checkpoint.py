@@ -59,7 +59,8 @@ def model_from_adapter(base: str, weights: str | Path, *, l1: str = "full", lora
     from ..base.fetch import resolve_source
     from ..files import read_safetensors
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_source(base), **({"dtype": dtype} if dtype else {}))
+    model = AutoModelForCausalLM.from_pretrained(resolve_source(base), trust_remote_code=False,
+                                                 **({"dtype": dtype} if dtype else {}))
     attach_from_section(model, {"l1": l1, "lora": lora})
     load_acre_state_dict(model, read_safetensors(weights))
     return model.eval()
@@ -86,17 +87,17 @@ def match_acre_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[s
 
 def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None) -> LoadedCheckpoint:
     """Rebuild the trained ACRE model from a run directory (newest checkpoint) or a checkpoint."""
-    import yaml
     from transformers import AutoModelForCausalLM
 
     from ..train.checkpoint import DS_DIR, DS_TAG, find_weights_checkpoint, load_trainable, read_meta
+    from ..train.recipe import read_yaml
 
     checkpoint = find_weights_checkpoint(Path(path))
     meta = read_meta(checkpoint)
     if meta.get("mode", "acre") != "acre":
         raise ValueError(f"{checkpoint} is a {meta.get('mode')!r} run; only ACRE runs can be exported as ACRE models")
     recipe_file = checkpoint / "recipe.yaml"
-    recipe = yaml.safe_load(recipe_file.read_text(encoding="utf-8")) if recipe_file.is_file() else {}
+    recipe = read_yaml(recipe_file.read_text(encoding="utf-8"), str(recipe_file)) if recipe_file.is_file() else {}
     base_ref = meta.get("base_model") or {}
     source = str(base_ref.get("source", ""))
     if source.startswith("tiny:"):
@@ -111,7 +112,7 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     else:
         raise ValueError(f"{checkpoint}: acre_checkpoint.json names no base model")
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    base = AutoModelForCausalLM.from_pretrained(pointer, **kwargs)
+    base = AutoModelForCausalLM.from_pretrained(pointer, trust_remote_code=False, **kwargs)
 
     ds_dir = checkpoint / DS_DIR
     if ds_dir.is_dir():

@@ -34,6 +34,29 @@ class RecipeError(ValueError):
         super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
 
 
+class _PlainLoader(yaml.SafeLoader):
+    """YAML without aliases: a 1 KB file of nested ``*alias`` references expands to gigabytes once
+    validated (a "billion laughs"), and a recipe has no need of them."""
+
+    def compose_node(self, parent, index):  # noqa: ANN001 (PyYAML's signature)
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a recipe; write the "
+                                              "value out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_yaml(text: str, source: str | None = None, what: str = "recipe") -> Any:
+    """Parse recipe YAML (no aliases, no Python tags); a syntax error is a :class:`RecipeError` naming
+    the line and column."""
+    try:
+        return yaml.load(text, Loader=_PlainLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError([f"{what} is not valid YAML{where}: {problem}"], source) from None
+
+
 class _Section(BaseModel):
     # Misspelled keys must be errors (CONVENTIONS: tools that silently drop keys are hated).
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -218,6 +241,16 @@ class Recipe(_Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
 
+    @field_validator("run_name")
+    @classmethod
+    def _one_folder_name(cls, value: str) -> str:
+        """The run folder is ``output_root/run_name``: a name with a path in it would write (and, with
+        ``--overwrite``, delete) outside ``output_root``."""
+        if not value.strip() or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
+            raise ValueError(f"run_name must be one folder name (no '/', '\\' or '..'), got {value!r}; "
+                             "put the parent folder in output_root")
+        return value
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_root) / self.run_name
@@ -257,7 +290,7 @@ def _scalar(text: str) -> Any:
     """YAML-parse an override value; ``1e-4`` is a float here (YAML 1.1 would keep it a string)."""
     if text == "":
         return None
-    value = yaml.safe_load(text)
+    value = read_yaml(text, what=f"override value {text!r}")
     if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
         return float(value)
     return value
@@ -302,7 +335,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] | Sequence[tup
         if packaged is None:
             raise RecipeError([f"recipe file {path} does not exist (packaged recipes: acre-train recipes ls)"])
         path = packaged
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    raw = read_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
     if not isinstance(raw, dict):
         raise RecipeError(["the recipe must be a mapping of sections"], str(path))
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)

@@ -20,7 +20,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .model import base_reference, load_base, load_trainable_state, save_base, trainable_state
-from .recipe import RecipeError, recipe_from_dict
+from .recipe import RecipeError, read_yaml, recipe_from_dict
 
 
 class NonFiniteError(ValueError):
@@ -116,12 +116,10 @@ class RunFolder:
         """Resume continues the saved optimizer and schedule: a changed learning rate, scheduler or other
         optimisation setting would be silently ignored, so it is refused; step budget, logging and
         checkpoint cadence may change (and the change is logged)."""
-        import yaml
-
         saved_file = checkpoint / "recipe.yaml"
         if not saved_file.is_file():
             return
-        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+        saved = read_yaml(saved_file.read_text(encoding="utf-8"), str(saved_file)) or {}
         try:  # keys added to the recipe since that checkpoint take their defaults, not "changed from None"
             saved = recipe_from_dict(saved).model_dump(mode="json")
         except RecipeError:

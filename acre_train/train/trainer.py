@@ -41,6 +41,7 @@ from .model import LossModule, build_model
 from .refill_loss import num_samples as refill_samples
 from .run_folder import NonFiniteError, RunFolder
 from .recipe import Recipe, RecipeError, check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
+from .vocabulary import base_tokenizer_fingerprint, data_vocabulary, vocabulary_problems
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Trainer(RunFolder):
                 (prepare_stage1 if r.stage == 1 else prepare_stage2)(prepare_settings(r), log=self.log)
             self.info.barrier()
         dataset, self.manifest = load_prepared(r.data.path)
+        self.data_vocabulary = data_vocabulary(r.data.path, self.manifest, dataset)  # checked against the model
         if r.data.max_samples is not None:
             dataset = dataset.select(range(min(r.data.max_samples, len(dataset))))
         dataset, held_out = split_held_out(dataset, r.data.eval_split, r.seed)
@@ -179,6 +181,20 @@ class Trainer(RunFolder):
         return epoch_batches(self.chunks, self.global_batch, epoch=epoch, seed=r.seed, shuffle=r.data.shuffle,
                              group_by_chunks=r.train.group_by_chunks)
 
+    def check_vocabulary(self) -> None:
+        """The data's token ids fit this model's embedding, and its tokenizer is the base's own (where the
+        base folder has one): refused before the first step, naming both."""
+        r = self.recipe
+        fingerprint = None
+        if not r.model.source.startswith("tiny:"):
+            from ..base.fetch import resolve_source
+
+            fingerprint = base_tokenizer_fingerprint(resolve_source(r.model.source))
+        rows = self.model.get_input_embeddings().weight.shape[0]
+        problems = vocabulary_problems(r, rows, fingerprint, *self.data_vocabulary)
+        if problems:
+            raise RecipeError(problems)
+
     def build(self) -> None:
         """Model, optimizer, scheduler, and the DDP/DeepSpeed wrapper."""
         from transformers import get_scheduler
@@ -186,6 +202,7 @@ class Trainer(RunFolder):
         r, t = self.recipe, self.recipe.train
         seed_everything(r.seed)
         self.model = build_model(r).to(self.info.device)
+        self.check_vocabulary()
         active = apply_liger(self.model, t.liger, log=self.log)
         refill = t.refill_loss
         settings = None

@@ -21,6 +21,10 @@ def run(args: argparse.Namespace) -> int:
     world = args.world_size or world_size_from_env()
     recipe = load_recipe(args.recipe, args.overrides)
     problems = check_recipe(recipe, world)
+    if not problems:  # the data's tokenizer against the model (reads the base's config and tokenizer)
+        from .vocabulary import check_vocabulary
+
+        problems = check_vocabulary(recipe)
     if problems:
         raise RecipeError(problems, args.recipe)
     try:
@@ -54,7 +58,7 @@ def parameter_line(recipe) -> str:
 
                 from ..base.fetch import resolve_source
 
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_source(source)))
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_source(source), trust_remote_code=False))
     except (OSError, ValueError) as exc:  # a hub id without network or cache
         return f"not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
     with init_empty_weights():
