@@ -95,3 +95,31 @@ def test_a_squad_file_of_the_wrong_structure_is_one_line(tmp_path, capsys):
     squad.write_text(json.dumps({"data": 5}))
     assert main(["reproduce", "real", "--squad", str(squad), "--root", str(tmp_path / "r"), "--steps", "streams"]) == 2
     one_line(capsys, "reproduce", f"{squad}: not SQuAD JSON")
+
+
+def test_a_model_folder_with_custom_code_is_never_run_even_when_stdin_says_yes(tmp_path, monkeypatch):
+    """transformers asks "run custom code?" on stdin when a folder names its own classes; chat reads its
+    questions from stdin, so a first line of "y" used to answer that prompt. acre-train passes
+    trust_remote_code=False wherever it loads a folder that is not its own export."""
+    import io
+    import json
+
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+    from acre_train.infer.load import load_for_inference
+    from acre_train.tiny import tiny_model
+
+    folder = tmp_path / "custom"
+    tok = tiny_tokenizer()
+    tiny_model("qwen2", vocab_size=len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    marker = tmp_path / "ran.txt"
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                    "from transformers import Qwen2Config as EvilConfig, Qwen2ForCausalLM as EvilModel\n")
+    for name, key in (("config.json", "AutoModelForCausalLM"), ("tokenizer_config.json", "AutoTokenizer")):
+        data = json.loads((folder / name).read_text())
+        data["auto_map"] = {key: "evil.EvilModel" if key != "AutoTokenizer" else ["evil.EvilModel", None],
+                            "AutoConfig": "evil.EvilConfig"}
+        (folder / name).write_text(json.dumps(data))
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\ny\n"))
+    model, tokenizer, _ = load_for_inference(folder, log=lambda *_: None)
+    assert not marker.exists() and type(model).__name__ == "Qwen2ForCausalLM" and tokenizer is not None

@@ -318,3 +318,59 @@ def test_consolidated_names_are_matched_onto_l1_parameters():
     assert set(match_acre_names(state, model)) == {n for n, _ in acre_parameters(model)}
     with pytest.raises(ValueError, match="non-L1 weight"):
         match_acre_names({"model.lm_head.weight": torch.zeros(1)}, model)
+
+
+@pytest.mark.parametrize("kind", ["full", "adapter"])
+def test_an_export_whose_config_names_more_layers_than_its_weights_is_refused(kind, exports, tmp_path):
+    """An edited num_hidden_layers would build that many layers, the missing ones random (100,000 of them:
+    out of memory); the weights' headers are compared first, and nothing is built."""
+    import shutil
+
+    from acre_train.files import DamagedFileError
+    from acre_train.infer.load import load_export
+
+    _, full, adapter, root = exports
+    folder = tmp_path / kind
+    shutil.copytree(full if kind == "full" else adapter, folder)
+    if kind == "adapter":
+        (folder / "config.json").write_text((folder / "config.json").read_text().replace('"../base"', json.dumps(str(root / "base"))))
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    load_export(folder)  # as exported: loads
+    config["num_hidden_layers"] = 100_000
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DamagedFileError, match=f"names 100000 layers but the weights hold {layers}"):
+        load_export(folder)
+
+
+def test_chat_refuses_a_context_longer_than_the_export_serves_before_reading_it_all(exports, tmp_path, capsys):
+    from acre_train.infer import AcreEngine, CacheSettings, ContextTooLongError, RefillSettings
+    from acre_train.infer.load import load_export
+
+    _, full, _, _ = exports
+    big = tmp_path / "big.txt"
+    big.write_text("The harbour master kept a ledger of every ship that came in. " * 140_000)  # ~8.5 MB
+    assert cli_main(["chat", str(full), "--context", str(big)], ) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (after the weights' loading bar)
+    assert last.startswith("acre-train chat: error: ") and "holds more than the" in last
+    assert "tokens this export can serve" in last
+
+    model, tok, _ = load_export(full)
+    seen = []
+
+    class Counting:  # the tokenizer, counting the characters it is given
+        def __call__(self, text, **kw):
+            seen.append(len(text))
+            return tok(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    engine = AcreEngine(model, Counting(), cache_settings=CacheSettings(32, 16, 4),
+                        refill=RefillSettings(working_window=64))
+    with pytest.raises(ContextTooLongError, match="stopped reading after 1,048,576 characters"):
+        engine.read_context(big)
+    assert sum(seen) == 1 << 20 < big.stat().st_size / 8
+    small = tmp_path / "small.txt"
+    small.write_text("A short context. " * 10)
+    assert engine.read_context(small) == small.read_text()

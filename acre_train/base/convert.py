@@ -247,7 +247,7 @@ def _write_folder(src: Path, folder: Path, dtype: str, log: Callable[[str], None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"loading {src.name} (dequantizing every tensor; a 0.5B model takes about a minute on 2 cores)")
-    kwargs = {"gguf_file": src.name}
+    kwargs = {"gguf_file": src.name, "trust_remote_code": False}
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=getattr(torch, dtype), **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kwargs)
     # The weights are plain tensors now; only the bookkeeping still says "gguf-quantized".

@@ -30,6 +30,7 @@ def auto_tokenizer(name: str, **kwargs: Any) -> Any:
     from ..base.fetch import resolve_source
 
     name = resolve_source(name)
+    kwargs.setdefault("trust_remote_code", False)  # a folder's own code never runs (nor prompts on stdin)
     config = Path(name) / "tokenizer_config.json"
     if config.is_file():
         try:

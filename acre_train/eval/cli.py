@@ -51,22 +51,14 @@ def run(args: argparse.Namespace) -> int:
     from .methods import parse_methods
     from .tasks import resolve_tasks, save_jsonl
 
-    try:
-        methods = parse_methods(args.methods)
-    except ValueError as exc:
-        print(f"acre-train eval: {exc}", file=sys.stderr)
-        return 2
+    methods = parse_methods(args.methods)  # a bad spec is a one-line error (errors.py), before any model loads
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     from ..base.fetch import resolve_source
 
-    try:
-        args.model = resolve_source(args.model)
-    except FileNotFoundError as exc:
-        print(f"acre-train eval: {exc}", file=sys.stderr)
-        return 2
+    args.model = resolve_source(args.model)
     if not Path(args.model).exists():
         print(f"acre-train eval: note: {args.model!r} is not a local folder; trying it as a hub id", file=sys.stderr)
     acre_rows = [m.label() for m in methods if m.needs_acre]
@@ -76,17 +68,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             check_export_dir(args.model)
         except NotAnAcreExport as exc:
-            print(f"acre-train eval: rows {acre_rows} need an ACRE model: {exc}", file=sys.stderr)
-            return 2
+            raise ValueError(f"rows {acre_rows} need an ACRE model: {exc}") from None
     model, tokenizer = _load_model(args, dtype, device)
     if getattr(model, "hf_device_map", None):
         print(f"placed by the device map: {describe(model.hf_device_map)}")
-    try:
-        examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed,
-                                 squad_path=args.squad, questions_per_context=args.questions_per_context)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"acre-train eval: {exc}", file=sys.stderr)
-        return 2
+    examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed,
+                             squad_path=args.squad, questions_per_context=args.questions_per_context)
     if args.save_tasks:
         save_jsonl(examples, args.save_tasks)
     config = EvalConfig(args.max_new_tokens, args.chunk_tokens, args.recall_k, progress=not args.no_progress)
@@ -111,9 +98,10 @@ def _load_model(args, dtype, device):
         check_export_dir(args.model)
     except NotAnAcreExport:
         tokenizer = auto_tokenizer(args.tokenizer or args.model)
-        placed = placement.kwargs(lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+        placed = placement.kwargs(lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model, trust_remote_code=False)),
                                   dtype) if placement else {}
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn_implementation,
+                                                     trust_remote_code=False,
                                                      **placed)
         return (model if placed else model.to(device)), tokenizer
     model, tokenizer, _ = load_export(args.model, device=device, dtype=dtype, placement=placement)

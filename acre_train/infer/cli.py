@@ -93,10 +93,12 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
-    text = Path(args.context).read_text(encoding="utf-8")  # a missing or empty context fails before the model loads
-    if not text.strip():
+    if Path(args.context).stat().st_size == 0:  # a missing or empty context fails before the model loads
         raise ValueError(f"--context {args.context} is empty")
     engine = make_engine(args)
+    text = engine.read_context(args.context)  # refused in pieces if longer than the export can serve
+    if not text.strip():
+        raise ValueError(f"--context {args.context} is empty")
     tic = time.perf_counter()
     if args.load_cache:
         cache = engine.load_cache(args.load_cache)
@@ -167,7 +169,7 @@ def _answer_rows(args: argparse.Namespace, engine: Any, rows: list, caches: dict
     count = 0
     with open(path, "w", encoding="utf-8") as out:
         for line_no, row in rows:
-            context = row["context"] if "context" in row else Path(row["context_file"]).read_text(encoding="utf-8")
+            context = row["context"] if "context" in row else engine.read_context(row["context_file"])
             key = hashlib.sha256(context.encode("utf-8")).hexdigest()
             reused = key in caches
             build_s = 0.0

@@ -19,6 +19,7 @@ def load_export(path: str | Path, *, device: str | torch.device = "cpu", dtype: 
     from ..modeling.hf import AcreConfig, AcreForCausalLM
 
     data = check_export_dir(path)
+    check_layer_count(path, data)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if placement is not None and placement.device_map:
         config = AcreConfig.from_pretrained(str(path))
@@ -61,6 +62,47 @@ def _damaged_weights(exc: BaseException) -> bool:
     return isinstance(exc, SafetensorError) or "error while deserializing" in str(exc).lower()
 
 
+def check_layer_count(path: str | Path, config: dict) -> None:
+    """Refuse an export whose ``config.json`` names another number of layers than its weights hold.
+
+    transformers builds every layer the config names and fills the ones the weights lack with random
+    values (with a warning); an edited count of 100,000 built layers until memory ran out. Only the
+    weights files' headers are read here, before anything is built.
+    """
+    import json
+    import re
+
+    from safetensors import safe_open
+
+    from ..modeling.hf import ADAPTER_WEIGHTS
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    files = [folder / ADAPTER_WEIGHTS] if config.get("adapter_only") else [folder / "model.safetensors"]
+    if not config.get("adapter_only") and index.is_file():
+        keys = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
+    else:
+        keys = set()
+        for file in files:
+            if not file.is_file():
+                raise DamagedFileError(f"{path}: {file.name} is missing; the export was copied in part: export it again")
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    keys |= set(f.keys())
+            except Exception as exc:  # safetensors' own error types for a garbled header
+                why = str(exc).splitlines()[0]
+                if config.get("adapter_only"):
+                    raise DamagedFileError(f"{file} is damaged or truncated ({why}); export the adapter again") from exc
+                raise DamagedFileError(f"{path}: its weights cannot be read ({why}); the export is damaged or was "
+                                       "copied in part: export it again") from exc
+    layers = {int(m.group(1)) for key in keys if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", key))}
+    named = config.get("num_hidden_layers")
+    if layers and named is not None and sorted(layers) != list(range(int(named))):
+        raise DamagedFileError(f"{path}: config.json names {named} layers but the weights hold {len(layers)} "
+                               f"(layers {min(layers)}..{max(layers)}); an edited or mismatched config would build "
+                               "the missing layers with random weights: export it again")
+
+
 def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                        placement: Placement | None = None, log=print):
     """``load_export``, or for a plain base model folder (e.g. ``acre-train base fetch``) the base with
@@ -78,7 +120,8 @@ def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", 
 
     from ..modeling import attach_acre
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), **({"dtype": dtype} if dtype is not None else {}))
+    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=False,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
     model = _place(attach_acre(model), placement, dtype, device).eval()
     log(f"note: {path} is a base model, not an ACRE export: answering with untrained L1 projections (stage 0); "
         "train and export ACRE for a real bi-layer cache")

@@ -128,7 +128,8 @@ class AcreForCausalLM(PreTrainedModel):
         if not os.path.isabs(base_ref) and os.path.isdir(local):
             base_ref = local  # a path relative to the export folder
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        base = AutoModelForCausalLM.from_pretrained(base_ref, **({"dtype": dtype} if dtype is not None else {}))
+        base = AutoModelForCausalLM.from_pretrained(base_ref, trust_remote_code=False,
+                                                     **({"dtype": dtype} if dtype is not None else {}))
         attach_from_section(base, config.acre)
         weights = os.path.join(folder, ADAPTER_WEIGHTS)
         try:

@@ -40,7 +40,8 @@ def load_base(recipe: Recipe) -> nn.Module:
 
     from ..base.fetch import resolve_source
 
-    return AutoModelForCausalLM.from_pretrained(resolve_source(m.source), dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(resolve_source(m.source), dtype=DTYPES[m.dtype],
+                                                attn_implementation=m.attn_implementation, trust_remote_code=False)
 
 
 def build_model(recipe: Recipe) -> nn.Module:
