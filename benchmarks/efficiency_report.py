@@ -209,7 +209,8 @@ def report(runs: dict[str, dict]) -> tuple[str, str]:
         page += ["## The paper's geometry", "",
                  "The same model and text, chunked as the paper does (W0 4096, S 2048, l 16, W 32K, eta 4096, "
                  "the L1-key scorer at the last layer). Full attention's rows are the export run's (its contexts are "
-                 "half a stride shorter there).", "", *table(paper, full), ""]
+                 "half a stride shorter there).", "", *[f"    {cmd}" for cmd in paper.get("runs", [])],
+                 *([""] if paper.get("runs") else []), *table(paper, full), ""]
     readme.append(END)
     return "\n".join(page) + "\n", "\n".join(readme)
 
