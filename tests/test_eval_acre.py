@@ -257,6 +257,7 @@ def test_calibrate_sweeps_unscored_only_where_the_sinks_are_kept(tmp_path, capsy
 
 def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys):
     from acre_train.cli import main
+    from acre_train.modeling.scorers import ScorerSettings
 
     export, tok = _tiny_export(tmp_path)
     dev = tmp_path / "dev.jsonl"
@@ -275,11 +276,10 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     assert {r["grow_shape"] for r in table["rows"] if r["grow"]} == {"attention", "centered", "densest", "sentences"}
     assert all(best["covered"] >= r["covered"] for r in table["rows"]) and best["n"] == 4
     stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
-    assert stored["scorer"] == best["scorer"] and (stored["neighbors"], stored["grow"], stored["grow_shape"]) == \
+    assert ScorerSettings.parse(stored["scorer"]) == ScorerSettings.parse(best["scorer"])
+    assert (stored["neighbors"], stored["grow"], stored["grow_shape"]) == \
         (best["neighbors"], best["grow"], best["grow_shape"])
     assert "`" + best["setting"] + "`" in (export / "calibration.md").read_text()
-
-    from acre_train.modeling.scorers import ScorerSettings
 
     chosen = ScorerSettings.parse(best["scorer"]).describe()
     context = tmp_path / "ctx.txt"
@@ -326,3 +326,33 @@ def test_document_evidence_is_the_answer_sentence_of_the_gold_document():
     ex.answers = ["Zurich"]  # no answer string in the gold document: the whole document is the evidence
     (start, end), = evidence_token_ranges(tok, prepare_example(tok, ex))
     assert end - start == len(prepared.doc_ids[1])
+
+
+def test_calibrate_at_several_lengths_stores_a_band_per_length_that_the_engine_picks(tmp_path):
+    from acre_train.cli import main
+    from acre_train.infer import AcreEngine
+    from acre_train.infer.settings import inference_settings
+    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.selection import Selection
+
+    export, tok = _tiny_export(tmp_path, positions="text")
+    assert main(["calibrate", str(export), "--data", "niah_multikey", "--context-tokens", "600", "300",
+                 "--num-examples", "4", "--questions-per-context", "2", "--scorers", "l2", "--layers", "0,1",
+                 "--heads", "max", "--sinks", "2", "--keep-sinks", "first", "--neighbors", "0", "--grow", "1,2",
+                 "--grow-shapes", "densest", "--queries", "all", "--no-progress"]) == 0
+    table = json.loads((export / "calibration.json").read_text())
+    assert [x["context_tokens"] for x in table["lengths"]] == [300, 600]
+    firsts = [Selection(scorer=ScorerSettings.parse(r["scorer"]), neighbors=r["neighbors"], grow=r["grow"],
+                        grow_shape=r["grow_shape"], positions="text") for r in (x["rows"][0] for x in table["lengths"])]
+    config = json.loads((export / "config.json").read_text())
+    stored = config["acre"]["inference"]
+    assert stored["bands"] == [f"424: {firsts[0].describe()}", firsts[1].describe()]  # sqrt(300 * 600) = 424
+    assert table["chosen"] == stored["bands"] and "## Length bands stored" in (export / "calibration.md").read_text()
+    cache_settings, refill = inference_settings(config)
+    assert [refill.bands.pick(n) for n in (300, 424, 425, 600)] == [firsts[0], firsts[0], firsts[1], firsts[1]]
+    engine = AcreEngine.__new__(AcreEngine)
+    engine.refill = refill
+
+    class _Cache:
+        context_tokens = 500
+    assert engine.settings_for(_Cache()).selection == firsts[1]

@@ -33,6 +33,7 @@ import torch
 from ..infer.placement import Placement, add_placement_arguments
 from ..modeling.scorers import GROW_SHAPES, KEEP_SINKS, QUERIES, ScorerSettings
 from ..infer.settings import selection_suffix
+from ..modeling.selection import LengthBands, Selection
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class Candidate:
 
     def describe(self) -> str:
         return self.scorer.describe() + selection_suffix(self.neighbors, self.grow, self.grow_shape)
+
+    def selection(self, positions: str = "compact") -> Selection:
+        """This setting as the typed selection an export stores (``positions``: the export's own)."""
+        return Selection(scorer=self.scorer, neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape,
+                         positions=positions)
 
     def simplicity(self) -> tuple:
         """Lower = simpler (the tie-break): fewer options switched on."""
@@ -175,21 +181,56 @@ def markdown(rows: list[dict[str, Any]], top: int = 15) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_choice(export: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """Store the best setting in ``export/config.json`` and the table beside it (each file atomically)."""
+def band_limits(lengths: Sequence[int]) -> list[int | None]:
+    """Where each calibrated length's band ends: halfway (geometrically) to the next length; the last is open.
+
+    >>> band_limits([4096, 16384, 65536])
+    [8192, 32768, None]
+    """
+    lengths = sorted(lengths)
+    return [int(round((a * b) ** 0.5)) for a, b in zip(lengths, lengths[1:])] + [None]
+
+
+def write_choice(export: Path, per_length: Sequence[tuple[int, list[dict[str, Any]]]], meta: dict[str, Any]) -> Selection | LengthBands:
+    """Store the best setting (one calibrated length) or one per length band (several) in
+    ``export/config.json``, and the tables beside it (each file atomically). The export's stored
+    ``positions`` and ``close_tail`` are kept."""
     from ..files import write_text_atomic
 
-    best = rows[0]
     config_path = export / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     inference = config.setdefault("acre", {}).setdefault("inference", {})
-    inference["scorer"], inference["neighbors"], inference["grow"] = best["scorer"], best["neighbors"], best.get("grow", 0)
-    inference["grow_shape"] = best.get("grow_shape", "attention")
-    write_text_atomic(export / "calibration.json", json.dumps({**meta, "chosen": best["setting"], "rows": rows}, indent=2) + "\n")
-    write_text_atomic(export / "calibration.md", f"# Refill scorer calibration\n\n{meta['data']}: {best['n']} questions, "
-                      f"k = {meta['k']} of {meta['num_l1']} spans (medians); chosen: `{best['setting']}`\n\n" + markdown(rows))
+    positions, close_tail = inference.get("positions", "compact"), bool(inference.get("close_tail", False))
+    per_length = sorted(per_length, key=lambda item: item[0])
+    chosen = [Selection(**{**_best_selection(rows, positions).__dict__, "close_tail": close_tail})
+              for _, rows in per_length]
+    inference.update(chosen[0].to_dict())
+    result: Selection | LengthBands = chosen[0]
+    if len(chosen) > 1:
+        result = LengthBands(tuple(zip(band_limits([n for n, _ in per_length]), chosen)))
+        inference["bands"] = result.describe()
+    else:
+        inference.pop("bands", None)
+    body = {**meta, "chosen": chosen[0].describe(), "rows": per_length[0][1]}  # one length: the layout studies read
+    if len(chosen) > 1:
+        body = {**meta, "chosen": result.describe(),
+                "lengths": [{"context_tokens": n, "rows": rows} for n, rows in per_length]}
+    write_text_atomic(export / "calibration.json", json.dumps(body, indent=2) + "\n")
+    parts = ["# Refill selection calibration\n"]
+    for (n, rows), selection in zip(per_length, chosen):
+        parts.append(f"## {n:,}-token contexts\n\n{meta['data']}: {rows[0]['n']} questions, k = {rows[0]['k']} of "
+                     f"{rows[0]['num_l1']} spans (medians); chosen: `{selection.describe()}`\n\n" + markdown(rows))
+    if len(chosen) > 1:
+        parts.append("## Length bands stored\n\n" + "\n".join(f"- `{line}`" for line in result.describe()) + "\n")
+    write_text_atomic(export / "calibration.md", "\n".join(parts))
     write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")
-    return best
+    return result
+
+
+def _best_selection(rows: list[dict[str, Any]], positions: str) -> Selection:
+    best = rows[0]
+    return Selection(scorer=ScorerSettings.parse(best["scorer"]), neighbors=best["neighbors"], grow=best.get("grow", 0),
+                     grow_shape=best.get("grow_shape", "attention"), positions=positions)
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -200,7 +241,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dev questions with known evidence: a task JSONL file (rows with 'gold_spans'), or "
                              "built-ins: squad (with --squad), niah_multikey, niah_single, ... Never the eval split.")
     parser.add_argument("--squad", default=None, help="SQuAD JSON for --data squad (e.g. the training articles)")
-    parser.add_argument("--context-tokens", type=int, default=2048, help="built-in data: context length (default: 2048)")
+    parser.add_argument("--context-tokens", type=int, nargs="+", default=[2048],
+                        help="built-in data: context length(s); several store one choice per length band, the band "
+                             "ending halfway to the next length (default: 2048)")
     parser.add_argument("--num-examples", type=int, default=100, help="built-in data: questions (default: 100)")
     parser.add_argument("--seed", type=int, default=1000,
                         help="built-in data: seed (default: 1000; use one your evaluation does not)")
@@ -285,21 +328,31 @@ def run(args: argparse.Namespace) -> int:
                        queries=_names(args.queries, QUERIES, "queries"), unscored=_ints(args.unscored, "unscored"))
     for c in candidates:  # a layer out of range fails before any cache is built
         c.scorer.resolved_layers(n_layers)
-    examples = resolve_tasks(args.data, tokenizer, args.context_tokens, args.num_examples, args.seed,
-                             squad_path=args.squad, questions_per_context=args.questions_per_context)
-    print(f"calibrating {len(candidates)} settings on {len(examples)} dev questions ({args.data})")
-    tic = time.perf_counter()
-    rows = calibrate(model, tokenizer, examples, candidates, progress=not args.no_progress)
-    seconds = time.perf_counter() - tic
-    print(markdown(rows))
+    if len(args.context_tokens) > 1 and Path(args.data).is_file():
+        raise ValueError("several --context-tokens sweep built-in data; a task file has its own lengths")
     _, refill = inference_settings(data)
-    meta = {"data": args.data, "squad": args.squad, "context_tokens": args.context_tokens, "seed": args.seed,
-            "k": rows[0]["k"], "num_l1": rows[0]["num_l1"], "seconds": round(seconds, 1), "before": refill.describe_selection()}
-    print(f"{rows[0]['n']} questions in {seconds:.0f}s; best: {rows[0]['setting']} "
-          f"(whole evidence {rows[0]['covered']:.1f} %, was {meta['before']})")
+    per_length, seconds = [], 0.0
+    for length in sorted(set(args.context_tokens)):
+        examples = resolve_tasks(args.data, tokenizer, length, args.num_examples, args.seed,
+                                 squad_path=args.squad, questions_per_context=args.questions_per_context)
+        print(f"calibrating {len(candidates)} settings on {len(examples)} dev questions ({args.data}, {length:,} tokens)")
+        tic = time.perf_counter()
+        rows = calibrate(model, tokenizer, examples, candidates, progress=not args.no_progress)
+        seconds += time.perf_counter() - tic
+        print(markdown(rows))
+        print(f"{length:,} tokens: {rows[0]['n']} questions; best: {rows[0]['setting']} "
+              f"(whole evidence {rows[0]['covered']:.1f} %)")
+        per_length.append((length, rows))
+    meta = {"data": args.data, "squad": args.squad, "context_tokens": sorted(set(args.context_tokens)),
+            "seed": args.seed, "seconds": round(seconds, 1), "before": refill.describe_selection()}
+    print(f"calibrated in {seconds:.0f}s (was {meta['before']})")
     if args.dry_run:
         print("dry run: the export is unchanged")
         return 0
+    chosen = write_choice(export, per_length, meta)
+    shown = chosen.describe() if isinstance(chosen, Selection) else " | ".join(chosen.describe())
+    print(f"wrote {shown} into {export / 'config.json'}; table: {export / 'calibration.md'}")
+    return 0
     write_choice(export, rows, meta)
     print(f"wrote the chosen scorer into {export / 'config.json'}; table: {export / 'calibration.md'}")
     return 0

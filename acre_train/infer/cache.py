@@ -81,6 +81,11 @@ class BiLayerCache:
         return interleave(self.tail_ids, first_chunk=n, stride=n, intervals=self.settings.interval, carry_in=self.carry)
 
     @property
+    def context_tokens(self) -> int:
+        """The context's length in tokens (finished raw tokens and the open tail): what length bands read."""
+        return int(self.span_bounds[-1]) + len(self.tail_ids) if len(self.span_bounds) else len(self.tail_ids)
+
+    @property
     def num_l1(self) -> int:
         return int(self.l1_keys.shape[2])
 

@@ -27,6 +27,7 @@ from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
 from ..modeling.scorers import QuestionQueries, ScorerSettings, choose_refill, rank_spans, span_tokens, spans_with
 from .sentences import sentence_ends
+from ..modeling.selection import SELECTION_KEYS
 from .settings import CacheSettings, RefillSettings
 
 
@@ -115,7 +116,7 @@ class AcreEngine:
         # tokens. close_tail: the prefill reuses that KV too, so a question runs only its own tokens there
         # as well. What changes then: the tail attends to the L1 memory, not to the refilled spans (it
         # cannot know the question); off, the tail re-runs over every refilled cache, as training has it.
-        self.close_tail = close_tail
+        self.close_tail = close_tail or self.refill.close_tail
         self.device = execution_device(model)
         self._fingerprint: str | None = None
         self._pieces: dict[int, str] = {}  # each token id's text, for sentence ends (decoded once per engine)
@@ -180,7 +181,7 @@ class AcreEngine:
         chunk after the refilled cache, whatever its length (it is not split at the stride): ``W``
         bounds the refilled cache, the open chunk comes on top of it.
         """
-        settings = self.refill.replace(**overrides) if overrides else self.refill
+        settings = self.settings_for(cache, **overrides)
         if cache.settings != self.cache_settings:
             raise CacheMismatchError(f"this cache was built with {cache.settings}, the engine uses {self.cache_settings}")
         if cache.fingerprint != self.fingerprint:
@@ -226,9 +227,10 @@ class AcreEngine:
         interval = self.cache_settings.interval
         capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
         kv = _KV(refilled.keys, refilled.values, capacity, position=refilled.next_position)
-        if self.close_tail and cache.tail_ids and cache.tail_keys is None:  # a cache saved without it
+        close_tail = self.close_tail or settings.close_tail
+        if close_tail and cache.tail_ids and cache.tail_keys is None:  # a cache saved without it
             self._close_tail(cache)
-        if self.close_tail and cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
+        if close_tail and cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
             rope = Rope.of(self.model)
             kv.extend({layer: (rope.rotate(cache.tail_keys[layer], torch.arange(kv.position, kv.position + cache.tail_keys.shape[2])),
                                cache.tail_values[layer]) for layer in range(cache.tail_keys.shape[0])})
@@ -244,6 +246,16 @@ class AcreEngine:
                       selected=torch.nonzero(spans_with(refill_tokens, cache.span_bounds)).flatten().tolist(),
                       refilled=refill_tokens, k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
                       timings=timings)
+
+    def settings_for(self, cache: BiLayerCache, **overrides: Any) -> RefillSettings:
+        """What a question on ``cache`` is answered with: the engine's settings, the length band of the
+        cache's context (where the export stores bands), then ``overrides`` (a selection key among them
+        holds at every length)."""
+        settings = self.refill
+        if overrides and any(k in SELECTION_KEYS or k == "scorer" for k in overrides):
+            settings = settings.replace(bands=None)
+        settings = settings.for_length(cache.context_tokens)
+        return settings.replace(**overrides) if overrides else settings
 
     def open_chunk(self, cache: BiLayerCache, q_ids: Sequence[int], settings: RefillSettings | None = None):
         """``(plan, k)``: the raw tail + question interleaved as one open chunk, and the spans to refill."""

@@ -37,7 +37,7 @@ def select_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
 # ``text``: every token at its index in the whole interleaved context, so refilled spans keep the distances
 # they have in the text (full attention's), and the open chunk continues after the whole context. It gives
 # up ACRE's positional compression: the context must fit the base's native window.
-POSITIONS = ("compact", "text")
+from ..modeling.selection import POSITIONS  # noqa: E402  (one list of choices, on the model floor)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
 from ..modeling.scorers import ScorerSettings
+from ..modeling.selection import SELECTION_KEYS, LengthBands, Selection, stored_selection
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
 _PAPER = WindowGeometry()
@@ -50,7 +51,10 @@ class RefillSettings:
     sentences; needs a cache built with the tokenizer).
     ``positions``: ``compact`` rotates the refilled cache at ``0..P-1`` (DESIGN.md §5); ``text`` at each
     token's index in the whole context, so refilled spans keep their distances in the text (the context
-    must then fit the base's native window; ``infer/refill.py:POSITIONS``).
+    must then fit the base's native window; ``modeling/selection.py:POSITIONS``).
+    ``close_tail``: the prefill reuses the raw tail's KV from the build (``AcreEngine``).
+    ``bands``: a selection per band of context lengths (``modeling/selection.py:LengthBands``); when set,
+    the engine answers with the band of the cache's length (:meth:`for_length`) instead of the fields above.
     """
 
     working_window: int = DEFAULT_WORKING_WINDOW
@@ -60,6 +64,8 @@ class RefillSettings:
     grow: int = 0
     grow_shape: str = "attention"
     positions: str = "compact"
+    close_tail: bool = False
+    bands: LengthBands | None = None
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -70,26 +76,40 @@ class RefillSettings:
     def __post_init__(self) -> None:
         if self.working_window < 1 or self.max_refill < 0:
             raise ValueError("working_window must be >= 1 and max_refill >= 0")
-        object.__setattr__(self, "scorer", ScorerSettings.parse(self.scorer))
-        check_selection(self.scorer, self.neighbors, self.grow, self.grow_shape)
-        from .refill import POSITIONS
-
-        if self.positions not in POSITIONS:
-            raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        object.__setattr__(self, "scorer", self.selection.scorer)  # validates the selection as a whole
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
 
+    @property
+    def selection(self) -> Selection:
+        """The selection fields as one :class:`Selection` (``max_refill`` is the geometry's, left out)."""
+        return Selection(scorer=self.scorer, neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape,
+                         positions=self.positions, close_tail=self.close_tail)
+
+    def with_selection(self, selection: Selection) -> "RefillSettings":
+        """These settings answering with ``selection`` (its ``eta`` where it sets one)."""
+        eta = self.max_refill if selection.max_refill is None else selection.max_refill
+        return self.replace(scorer=selection.scorer, neighbors=selection.neighbors, grow=selection.grow,
+                            grow_shape=selection.grow_shape, positions=selection.positions,
+                            close_tail=selection.close_tail, max_refill=eta)
+
+    def for_length(self, num_tokens: int) -> "RefillSettings":
+        """The settings for a context of ``num_tokens`` tokens: its length band's selection, if any."""
+        if self.bands is None:
+            return self
+        return self.with_selection(self.bands.pick(num_tokens)).replace(bands=None)
+
     def describe_selection(self) -> str:
-        """The scorer and the selection rule, as tables and logs print them: ``l2:layers=3 +grow=2``."""
+        """The scorer and the selection rule, as tables and logs print them: ``l2:layers=3 +grow=2``;
+        with length bands, every band: ``<=4096: ... | ...``."""
+        if self.bands is not None:
+            return " | ".join(self.bands.describe())
         return (self.scorer.describe() + selection_suffix(self.neighbors, self.grow, self.grow_shape)
                 + ("" if self.positions == "compact" else f" @{self.positions}"))
 
     def replace(self, **changes: Any) -> "RefillSettings":
         return RefillSettings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
-
-# What an export's ``acre.inference`` stores about the refill besides the geometry (``calibrate`` writes them).
-SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions")
 
 
 def selection_suffix(neighbors: bool, grow: int, grow_shape: str = "attention") -> str:
@@ -116,17 +136,7 @@ def pick_selection(stored: Mapping[str, Any], neighbors: bool | None, grow: int 
 
 def check_selection(scorer: ScorerSettings, neighbors: bool, grow: int, grow_shape: str = "attention") -> None:
     """One line for a selection that cannot be made (raised where the setting is read)."""
-    from ..modeling.scorers import GROW_SHAPES
-
-    if grow_shape not in GROW_SHAPES:
-        raise ValueError(f"grow_shape must be one of {', '.join(GROW_SHAPES)}, got {grow_shape!r}")
-    if grow < 0:
-        raise ValueError(f"grow must be >= 0 (0: whole spans), got {grow}")
-    if grow and neighbors:
-        raise ValueError("choose neighbors (whole spans) or grow (tokens), not both")
-    if grow and scorer.kind != "l2":
-        raise ValueError(f"grow refills tokens by the l2 scorer's per-token mass; the scorer {scorer.describe()} "
-                         "ranks whole spans (use an l2 scorer, or grow=0)")
+    Selection(scorer=scorer, neighbors=neighbors, grow=grow, grow_shape=grow_shape)
 
 
 def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, Any] | None = None
@@ -145,20 +155,18 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     """
     from dataclasses import replace as replace_
 
-    from ..modeling.scorers import ScorerSettings
-
     overrides = overrides or {}
     geometry = export_geometry(config).with_overrides(overrides)
     cache = CacheSettings(first_chunk=geometry.first_chunk, stride=geometry.stride, interval=geometry.interval)
     extra = {k: v for k, v in overrides.items()
              if k in ("max_new_tokens", "temperature", "top_p", "seed") and v is not None}
-    stored = inference_section(config)
-    scorer = ScorerSettings.parse(overrides.get("scorer") or stored.get("scorer") or ScorerSettings())
+    selection, bands = stored_selection(inference_section(config))
+    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail")}
+    selection = selection.with_overrides(asked)
     if overrides.get("scoring_layers") is not None:
-        scorer = replace_(scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
-    neighbors, grow = pick_selection(stored, overrides.get("neighbors"), overrides.get("grow"))
-    grow_shape = overrides.get("grow_shape") or stored.get("grow_shape") or "attention"
-    positions = overrides.get("positions") or stored.get("positions") or "compact"
-    return cache, RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill,
-                                 scorer=scorer, neighbors=neighbors, grow=grow, grow_shape=grow_shape,
-                                 positions=positions, **extra)
+        scorer = replace_(selection.scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
+        selection = replace_(selection, scorer=scorer)
+    if any(v is not None for v in asked.values()) or overrides.get("scoring_layers") is not None:
+        bands = None  # a selection asked for on the command line holds at every length
+    refill = RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill, **extra)
+    return cache, refill.with_selection(selection).replace(bands=bands, max_refill=geometry.max_refill)

@@ -22,6 +22,10 @@ refill only) keeps the context's first span whole, where the prompt's instructio
 sink tokens themselves of every later chunk: a chunk's first tokens matter as sinks, not as text, and
 whole spans spend much of a small budget on them (at 2K, three spans of a 6-span budget). The
 tokens after the first few still draw mass, so calibrate it with ``sinks`` (docs/real-base.md).
+``spans`` and ``tokens`` cost budget with every chunk: with ``S = 512`` a 15K context has ~30 chunks,
+and their sink spans alone spend a 12-span budget before the question places anything.
+``keep_sinks=first`` keeps only the context's first span (the prompt's start, the global sink): one
+span at every length, so the rest of the budget always goes where the question points.
 ``unscored: N`` (``l2`` only) is the gentler rule for them: the first ``N`` tokens of the context and
 of every chunk stay in the softmax, as they are in the model's own attention, but the mass they draw
 counts for no span or region, so they never place a refill (they are still refilled when a chosen
@@ -180,11 +184,11 @@ def _layers(value: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
-KEEP_SINKS = ("spans", "tokens")
+KEEP_SINKS = ("spans", "tokens", "first")
 
 
 def _keep(value: Any) -> str:
-    """``keep_sinks``: yes/no (yes = ``spans``, the old boolean) or ``spans`` / ``tokens``."""
+    """``keep_sinks``: yes/no (yes = ``spans``, the old boolean) or ``spans`` / ``tokens`` / ``first``."""
     if isinstance(value, str) and value.strip().lower() in KEEP_SINKS:
         return value.strip().lower()
     if value == "":
@@ -192,7 +196,7 @@ def _keep(value: Any) -> str:
     try:
         return "spans" if _flag(value) else ""
     except ValueError:
-        raise ValueError(f"keep_sinks must be yes/no, spans or tokens, got {value!r}") from None
+        raise ValueError(f"keep_sinks must be yes/no, spans, tokens or first, got {value!r}") from None
 
 
 def _flag(value: Any) -> bool:
@@ -707,7 +711,7 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     """
     sinks = forced_spans(cache, scorer)
     # keep_sinks=tokens keeps whole spans where a span is the unit refilled (no grow).
-    if sinks is not None and (not grow or scorer.keep_sinks == "spans"):
+    if sinks is not None and (not grow or scorer.keep_sinks in ("spans", "first")):
         forced = sinks if forced is None else (forced | sinks)
     if not grow:
         scores = rank_spans(model, cache, queries, scorer)
@@ -745,4 +749,8 @@ def forced_spans(cache, scorer: ScorerSettings) -> torch.Tensor | None:
     """``[m]`` bool: the spans ``keep_sinks`` refills whatever their score (None: none)."""
     if not (scorer.keep_sinks and scorer.sinks):
         return None
+    if scorer.keep_sinks == "first":  # one span whatever the context's length
+        first = torch.zeros(cache.num_l1, dtype=torch.bool)
+        first[:1] = True
+        return first
     return spans_with(cache.sink_tokens(scorer.sinks), cache.span_bounds)

@@ -75,7 +75,7 @@ class Acre(EvalMethod):
 
         if self.grow_shape and self.grow_shape not in GROW_SHAPES:
             raise ValueError(f"grow_shape must be one of {', '.join(GROW_SHAPES)}, got {self.grow_shape!r}")
-        from ...infer.refill import POSITIONS
+        from ...modeling.selection import POSITIONS
 
         if self.positions and self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
