@@ -237,6 +237,20 @@ def test_cacheblend_partial_recompute_costs(model4):
     assert r.costs["recomputed"] == 40 * 2 + m * 2
 
 
+def test_full_beyond_its_window_keeps_the_context_s_head_and_tail_once_for_every_question(model4):
+    prep = _example([600, 700], seed=11)
+    other = PreparedExample(prep.example, prep.prefix_ids, prep.doc_ids, _example([1], suffix=5, seed=12).suffix_ids, [])
+    method = parse_method("full:max_length=800")  # a quarter kept for questions: 600 context tokens
+    state = method.prepare(model4, _NoTok(), prep)  # one truncated cache, two questions
+    n = len(prep.prefix_ids) + prep.context_len
+    for p in (prep, other):
+        res = method.answer(model4, _NoTok(), p, state, GenerationConfig(2))
+        ids = p.prompt_ids()
+        ref = _full_logits(model4, PreparedExample(p.example, ids[:300] + ids[n - 300:n], [], ids[n:], []))
+        assert (res.first_logits - ref).abs().max() < TOL and res.cost.kv_attended == 600 + len(ids) - n
+        assert state[0].get_seq_length() == 600  # the question and answer are cropped off again
+
+
 def test_truncated_attends_exactly_the_budget(model4):
     prep = _example([50, 60], seed=10)
     res = parse_method("truncated:budget=70").answer(model4, _NoTok(), prep, None, GenerationConfig(2))

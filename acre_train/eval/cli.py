@@ -27,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions-per-context", type=int, default=1,
                         help="built-in squad / niah_multikey: questions sharing one context, which every method "
                              "encodes once (default: 1)")
+    g = parser.add_argument_group("the long suite (long_needles, long_chain, long_qa): dev to choose, test once")
+    g.add_argument("--split", choices=("dev", "test"), default=None,
+                   help="long tasks: which split (default: dev). A test run is recorded in the ledger and refused "
+                        "a second time")
+    g.add_argument("--rerun", action="store_true", help="run a test cell again; the report names the earlier runs")
+    g.add_argument("--ledger", default=None, help="the test-run ledger (default: $ACRE_TRAIN_CACHE/test-ledger.jsonl)")
+    g.add_argument("--haystack", default=None,
+                   help="the Jargon File text (default: where 'apt-get install jargon-text' puts it, or "
+                        "$ACRE_TRAIN_HAYSTACK)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="chunk size for 'context' examples")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--recall-k", type=int, default=5)
@@ -69,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
             check_export_dir(args.model)
         except NotAnAcreExport as exc:
             raise ValueError(f"rows {acre_rows} need an ACRE model: {exc}") from None
+    ledger, key, before, settings = _check_test_split(args, methods)
     model, tokenizer = _load_model(args, dtype, device)
     if getattr(model, "hf_device_map", None):
         print(f"placed by the device map: {describe(model.hf_device_map)}")
     examples = resolve_tasks(args.tasks, tokenizer, args.context_tokens, args.num_examples, args.seed,
-                             squad_path=args.squad, questions_per_context=args.questions_per_context)
+                             squad_path=args.squad, questions_per_context=args.questions_per_context,
+                             split=args.split, haystack=args.haystack)
     if args.save_tasks:
         save_jsonl(examples, args.save_tasks)
     config = EvalConfig(args.max_new_tokens, args.chunk_tokens, args.recall_k, progress=not args.no_progress)
@@ -81,7 +92,45 @@ def run(args: argparse.Namespace) -> int:
     print(Path(report.files["table"]).read_text(encoding="utf-8"))
     for kind, path in report.files.items():
         print(f"{kind}: {path}")
+    if ledger is not None:
+        _record_test_run(args, ledger, key, before, settings, report)
     return 0
+
+
+def _test_settings(args, methods) -> dict:
+    """What decides a test figure (eval/ledger.py): the model, rows, tasks, lengths, counts and decoding."""
+    from .ledger import model_hash
+
+    return {"model": model_hash(args.model), "methods": [m.label() for m in methods], "tasks": args.tasks,
+            "split": args.split, "context_tokens": args.context_tokens, "num_examples": args.num_examples,
+            "seed": args.seed, "chunk_tokens": args.chunk_tokens, "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype}
+
+
+def _check_test_split(args, methods):
+    """``(ledger, fingerprint, earlier runs, settings)`` for a test run (refused if it ran before, unless --rerun)."""
+    if args.split != "test":
+        return None, None, [], None
+    from .ledger import Ledger, fingerprint
+
+    ledger = Ledger(args.ledger)
+    settings = _test_settings(args, methods)
+    key = fingerprint(settings)
+    return ledger, key, ledger.check(key, rerun=args.rerun), settings
+
+
+def _record_test_run(args, ledger, key, before, settings, report) -> None:
+    import json
+
+    from ..files import write_text_atomic
+
+    scores = {m: round(float(v["score"]), 2) for m, v in report.summary.get("overall", {}).items()}
+    ledger.record(key, {"out": str(args.out), "scores": scores, "settings": settings, "rerun": bool(before)})
+    write_text_atomic(Path(args.out) / "test_runs.json",
+                      json.dumps({"fingerprint": key, "this_run": scores, "earlier_runs": before}, indent=2) + "\n")
+    print(f"test run recorded in {ledger.path} (fingerprint {key})")
+    for run in before:
+        print(f"  rerun: an earlier run of this cell ({run.get('when')}, {run.get('out')}) scored {run.get('scores')}")
 
 
 def _load_model(args, dtype, device):

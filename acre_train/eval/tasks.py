@@ -332,18 +332,31 @@ def _assemble_in_order(rng: random.Random, count: _TokenCounter, sentences: list
 
 
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
-TASK_NAMES = ("squad", *NEEDLE_TASKS, "ruler")
+LONG_TASK_NAMES = ("long_needles", "long_chain", "long_qa")  # eval/long_tasks.py: unseen text, dev/test split
+TASK_NAMES = ("squad", *NEEDLE_TASKS, "ruler", *LONG_TASK_NAMES)
 
 
 def build_task(name: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0, *,
-               squad_path: str | Path | None = None, questions_per_context: int = 1) -> list[Example]:
-    """A built-in task by name: ``squad``, one of ``NEEDLE_TASKS``, or ``ruler`` (all four needle tasks).
+               squad_path: str | Path | None = None, questions_per_context: int = 1, split: str | None = None,
+               haystack: str | None = None) -> list[Example]:
+    """A built-in task by name: ``squad``, one of ``NEEDLE_TASKS``, ``ruler`` (all four needle tasks), or
+    one of the long suite's ``LONG_TASK_NAMES`` (``eval/long_tasks.py``).
 
     ``num_examples`` counts questions; with ``questions_per_context`` > 1, ``squad`` asks several
     questions of the gold paragraph and ``niah_multikey`` asks for several of its keys on one context.
+    The long tasks ask eight questions of every context (``num_examples`` rounds up to whole contexts)
+    and take their seeds from ``split`` (``dev`` or ``test``), not from ``seed``.
     """
     if context_tokens <= 0 or num_examples <= 0 or questions_per_context <= 0:
         raise ValueError("context_tokens, num_examples and questions_per_context must be positive")
+    if name in LONG_TASK_NAMES:
+        from .long_tasks import QUESTIONS_PER_CONTEXT, build_long_task
+
+        contexts = -(-num_examples // QUESTIONS_PER_CONTEXT)
+        return build_long_task(name, tokenizer, context_tokens, contexts, split or "dev", squad_path=squad_path,
+                               haystack=haystack)
+    if split is not None:
+        raise ValueError(f"--split applies to the long suite ({', '.join(LONG_TASK_NAMES)}); {name} is seeded by --seed")
     if name == "squad":
         return squad_qa(tokenizer, context_tokens, num_examples, seed, squad_path, questions_per_context)
     if name in NEEDLE_TASKS:
@@ -356,7 +369,8 @@ def build_task(name: str, tokenizer, context_tokens: int, num_examples: int, see
 
 
 def resolve_tasks(spec: str, tokenizer, context_tokens: int, num_examples: int, seed: int = 0, *,
-                  squad_path: str | Path | None = None, questions_per_context: int = 1) -> list[Example]:
+                  squad_path: str | Path | None = None, questions_per_context: int = 1, split: str | None = None,
+                  haystack: str | None = None) -> list[Example]:
     """``spec``: a JSONL path, or comma-separated built-in task names."""
     if Path(spec).is_file():
         return load_jsonl(spec)
@@ -364,4 +378,5 @@ def resolve_tasks(spec: str, tokenizer, context_tokens: int, num_examples: int, 
         raise FileNotFoundError(f"task file not found: {spec}")
     return [e for name in spec.split(",") if name.strip()
             for e in build_task(name.strip(), tokenizer, context_tokens, num_examples, seed,
-                                squad_path=squad_path, questions_per_context=questions_per_context)]
+                                squad_path=squad_path, questions_per_context=questions_per_context, split=split,
+                                haystack=haystack)]

@@ -91,8 +91,8 @@ QUESTION_ROOM = 1024  # tokens a shared context's cache keeps free for a questio
 
 @dataclass
 class Full(EvalMethod):
-    """The whole prompt; beyond ``max_length`` (default: the model's ``max_position_embeddings``
-    minus ``max_new_tokens``) the middle is cut, LongBench style."""
+    """The whole prompt; a context beyond ``max_length`` (default: the model's ``max_position_embeddings``)
+    less :data:`QUESTION_ROOM` loses its middle, LongBench style: what a user of the base gets."""
 
     name = "full"
     max_length: int = 0
@@ -101,22 +101,28 @@ class Full(EvalMethod):
         return self.max_length or model.config.max_position_embeddings
 
     def prepare(self, model, tokenizer, example):
-        """The context's KV (prefix + documents) once, for every question asked of it."""
+        """The context's KV (prefix + documents) once, for every question asked of it. A context longer than
+        the model's window less :data:`QUESTION_ROOM` keeps its head and tail halves (the middle cut once
+        per context, LongBench style), so every question continues the same truncated cache."""
         n = len(example.prefix_ids) + example.context_len
-        if n >= self.limit(model):
-            return None  # the middle cut depends on the question's length: per question
-        cache = GrowingCache(capacity=n + QUESTION_ROOM)
-        context = torch.tensor([[*example.prefix_ids, *(t for d in example.doc_ids for t in d)]],
-                               device=execution_device(model))
-        model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-        return cache, n
+        limit = self.limit(model)
+        keep = middle_keep(n, limit - min(QUESTION_ROOM, limit // 4))  # a small model's window keeps 3/4 for context
+        context = [*example.prefix_ids, *(t for d in example.doc_ids for t in d)]
+        ids = [t for a, b in keep for t in context[a:b]]
+        cache = GrowingCache(capacity=len(ids) + QUESTION_ROOM)
+        if ids:
+            model(input_ids=torch.tensor([ids], dtype=torch.long, device=execution_device(model)), cache=cache,
+                  use_cache=True, logits_to_keep=1)
+        return cache, len(ids), keep
 
     def answer(self, model, tokenizer, example, state, generation):
-        limit = self.limit(model) - generation.max_new_tokens
-        if limit <= 0:
-            raise ValueError(f"full: max_length {limit} leaves no room for the prompt")
-        keep = middle_keep(len(example), limit)
-        return _result(model, tokenizer, example, keep, generation, state if keep == [(0, len(example))] else None)
+        cache, kept, keep = state if state is not None else self.prepare(model, tokenizer, example)
+        n = len(example.prefix_ids) + example.context_len
+        room = self.limit(model) - kept - generation.max_new_tokens
+        if len(example) - n > room:
+            raise ValueError(f"full: the question ({len(example) - n} tokens) and {generation.max_new_tokens} new "
+                             f"tokens do not fit the {room + generation.max_new_tokens} positions left after the context")
+        return _result(model, tokenizer, example, [*keep, (n, len(example))], generation, (cache, kept))
 
 
 @dataclass
