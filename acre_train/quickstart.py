@@ -24,6 +24,7 @@ noise: it shows the mechanics and their cost. Everything lands in ``--output`` (
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -170,8 +171,14 @@ def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Pat
 
     card = shipped_card(adapter)
     base = resolve_source(f"base:{card['base']}")  # not fetched: an error that names the fetch command
+    settings = json.dumps(card["inference"], sort_keys=True)
     if (out_dir / "config.json").is_file():
-        return out_dir
+        stored = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("acre", {}).get("source", {})
+        if stored.get("card_inference") == settings:
+            return out_dir
+        overwrite = True  # the card's settings changed since this export was made: make it again
+    else:
+        overwrite = False
     recipe = load_recipe(RECIPES / f"{card['recipe']}.yaml", [])
     weights = files("acre_train.resources").joinpath(adapter)
     model = model_from_adapter(base, str(weights), l1=recipe.model.l1, lora=recipe.model.lora.model_dump())
@@ -184,7 +191,8 @@ def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Pat
         scorer = (QueryMap.load(str(path)), ScorerSettings.parse(card["inference"]["scorer"]).describe())
     return export_model(model, out_dir, tokenizer=auto_tokenizer(base), adapter_only=True, base_model=base,
                         inference=card["inference"], scorer=scorer,
-                        source={"adapter": f"acre_train/resources/{adapter}", "stage": card.get("stage")})
+                        source={"adapter": f"acre_train/resources/{adapter}", "stage": card.get("stage"),
+                                "card_inference": settings}, overwrite=overwrite)
 
 
 def held_out_squad(out: Path) -> Path:

@@ -339,11 +339,13 @@ def test_calibrate_at_several_lengths_stores_a_band_per_length_that_the_engine_p
     assert main(["calibrate", str(export), "--data", "niah_multikey", "--context-tokens", "600", "300",
                  "--num-examples", "4", "--questions-per-context", "2", "--scorers", "l2", "--layers", "0,1",
                  "--heads", "max", "--sinks", "2", "--keep-sinks", "first", "--neighbors", "0", "--grow", "1,2",
-                 "--grow-shapes", "densest", "--queries", "all", "--no-progress"]) == 0
+                 "--grow-shapes", "densest", "--queries", "all", "--max-refill", "32", "64", "--no-progress"]) == 0
     table = json.loads((export / "calibration.json").read_text())
     assert [x["context_tokens"] for x in table["lengths"]] == [300, 600]
+    assert [x["rows"][0]["k"] for x in table["lengths"]] == [2, 4]  # eta 32 and 64 over 16-token spans
     firsts = [Selection(scorer=ScorerSettings.parse(r["scorer"]), neighbors=r["neighbors"], grow=r["grow"],
-                        grow_shape=r["grow_shape"], positions="text") for r in (x["rows"][0] for x in table["lengths"])]
+                        grow_shape=r["grow_shape"], positions="text", max_refill=eta)
+              for r, eta in zip((x["rows"][0] for x in table["lengths"]), (32, 64))]
     config = json.loads((export / "config.json").read_text())
     stored = config["acre"]["inference"]
     assert stored["bands"] == [f"424: {firsts[0].describe()}", firsts[1].describe()]  # sqrt(300 * 600) = 424
@@ -355,4 +357,5 @@ def test_calibrate_at_several_lengths_stores_a_band_per_length_that_the_engine_p
 
     class _Cache:
         context_tokens = 500
-    assert engine.settings_for(_Cache()).selection == firsts[1]
+    picked = engine.settings_for(_Cache())
+    assert picked.with_selection(firsts[1]) == picked and picked.max_refill == 64

@@ -230,7 +230,8 @@ def write_choice(export: Path, per_length: Sequence[tuple[int, list[dict[str, An
 def _best_selection(rows: list[dict[str, Any]], positions: str) -> Selection:
     best = rows[0]
     return Selection(scorer=ScorerSettings.parse(best["scorer"]), neighbors=best["neighbors"], grow=best.get("grow", 0),
-                     grow_shape=best.get("grow_shape", "attention"), positions=positions)
+                     grow_shape=best.get("grow_shape", "attention"), positions=positions,
+                     max_refill=best.get("max_refill"))
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -270,6 +271,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queries", default="all,question",
                         help="which question tokens each setting pools over: all (the template around the question "
                              "too) and/or question (its own words) (default: all,question)")
+    parser.add_argument("--max-refill", type=int, nargs="+", default=None, metavar="ETA",
+                        help="the refill budget in tokens (eta) to calibrate at: one for every length, or one per "
+                             "--context-tokens; stored with each band's choice (default: the export's eta)")
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -331,13 +335,21 @@ def run(args: argparse.Namespace) -> int:
     if len(args.context_tokens) > 1 and Path(args.data).is_file():
         raise ValueError("several --context-tokens sweep built-in data; a task file has its own lengths")
     _, refill = inference_settings(data)
+    lengths = sorted(set(args.context_tokens))
+    etas = args.max_refill or [None]
+    if len(etas) not in (1, len(lengths)):
+        raise ValueError(f"--max-refill takes one eta, or one per --context-tokens ({len(lengths)}), got {len(etas)}")
+    eta_of = dict(zip(lengths, etas * len(lengths) if len(etas) == 1 else etas))
     per_length, seconds = [], 0.0
-    for length in sorted(set(args.context_tokens)):
+    for length in lengths:
         examples = resolve_tasks(args.data, tokenizer, length, args.num_examples, args.seed,
                                  squad_path=args.squad, questions_per_context=args.questions_per_context)
         print(f"calibrating {len(candidates)} settings on {len(examples)} dev questions ({args.data}, {length:,} tokens)")
         tic = time.perf_counter()
-        rows = calibrate(model, tokenizer, examples, candidates, progress=not args.no_progress)
+        overrides = {"max_refill": eta_of[length]} if eta_of[length] is not None else {}
+        rows = calibrate(model, tokenizer, examples, candidates, overrides=overrides, progress=not args.no_progress)
+        for r in rows:
+            r["max_refill"] = eta_of[length]
         seconds += time.perf_counter() - tic
         print(markdown(rows))
         print(f"{length:,} tokens: {rows[0]['n']} questions; best: {rows[0]['setting']} "

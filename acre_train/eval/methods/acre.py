@@ -102,6 +102,11 @@ class Acre(EvalMethod):
             changes["unscored"] = self.unscored
         return replace(base, **changes)
 
+    def _sets_selection(self) -> bool:
+        return bool(self.scorer or self.layers or self.heads or self.keep_sinks or self.query or self.grow_shape
+                    or self.positions or any(x >= 0 for x in (self.max_refill, self.sinks, self.unscored,
+                                                               self.neighbors, self.grow)))
+
     def overrides(self) -> dict[str, int]:
         """This row's options that replace the export's stored geometry."""
         mine = {key: getattr(self, key) for key in ("first_chunk", "stride", "interval", "working_window")
@@ -130,6 +135,8 @@ class Acre(EvalMethod):
         refill = refill.replace(scorer=self.scorer_settings(refill.scorer), neighbors=neighbors, grow=grow,
                                 grow_shape=self.grow_shape or refill.grow_shape,
                                 positions=self.positions or refill.positions)
+        if self._sets_selection():  # the row's own selection holds at every length (no stored length bands)
+            refill = refill.replace(bands=None)
         engine = AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=bool(self.close_tail))
         ids = [*example.prefix_ids, *(t for doc in example.doc_ids for t in doc)]
         return engine, engine.build(ids, progress=False)
@@ -140,8 +147,9 @@ class Acre(EvalMethod):
         # Exactly the harness's stop set, as for every other row (the engine would add its own EOS ids).
         ans = engine.answer(cache, list(example.suffix_ids), max_new_tokens=generation.max_new_tokens,
                             stop_token_ids=tuple(sorted(generation.stop_ids)), stop_at_eos=False)
+        settings = engine.settings_for(cache)  # the length band's selection, where the export stores bands
         open_chunk = ans.open_chunk  # raw tail + question + their L1 tokens (the question alone: closed tail)
-        if engine.close_tail and cache.tail_keys is not None:
+        if (engine.close_tail or settings.close_tail) and cache.tail_keys is not None:
             open_chunk += int(cache.tail_keys.shape[2])
         t = ans.timings
         cost = CostRecord(
@@ -151,7 +159,7 @@ class Acre(EvalMethod):
             ttft_s=t.get("score_s", 0.0) + t.get("refill_s", 0.0) + t.get("prefill_s", 0.0),
         )
         extra = {"acre_k": ans.k, "acre_num_l1": ans.num_l1, "acre_selected": ans.selected,
-                 "acre_scorer": engine.refill.describe_selection(),
+                 "acre_scorer": settings.describe_selection(),
                  **refill_recall(tokenizer, example, cache, ans.refilled, ans.scores)}
         return MethodResult(prediction=decode_text(tokenizer, ans.token_ids, generation.stop_ids),
                             output_ids=list(ans.token_ids), cost=cost, first_logits=ans.first_logits, extra=extra)

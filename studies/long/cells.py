@@ -1,0 +1,162 @@
+"""The long suite's test cells on the real base: one command per cell, one report from their predictions.
+
+    python -m studies.long.cells list                     # every cell and the command it runs
+    python -m studies.long.cells run needles-16k          # one test cell (refused a second time: --rerun)
+    python -m studies.long.cells report [--check]         # docs/long/README.md and the README's table
+
+Every cell answers with the adapter that ships with acre-train (``acre_train/resources/adapters``) and
+the selection its card stores (one per band of context lengths, chosen on the dev split:
+docs/long/dev/). A cell's predictions, summary and ledger line are committed under docs/long/; the
+report reads nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs" / "long"
+EXPORT = REPO / "checkpoints" / "long" / "shipped-export"
+SQUAD = REPO.parent / "shared" / "data" / "squad-v2-dev.json"
+LEDGER = DOCS / "test-ledger.jsonl"
+MARK = "<!-- long-context table: studies/long/cells.py -->"
+
+# name: (task, context tokens, questions, rows, max new tokens)
+CELLS: dict[str, tuple[str, int, int, str, int]] = {
+    "needles-16k": ("long_needles", 16384, 64, "full,truncated:budget=1536,acre", 16),
+    "needles-32k": ("long_needles", 32768, 64, "full,truncated:budget=1536,acre", 16),
+    "chain-16k": ("long_chain", 16384, 64, "full,truncated:budget=1536,acre", 16),
+    "qa-16k": ("long_qa", 16384, 64, "full,truncated:budget=1536,acre", 24),
+    "needles-64k": ("long_needles", 65536, 40, "full,acre", 16),
+    "needles-128k": ("long_needles", 131072, 40, "full,acre", 16),
+}
+
+
+def command(name: str, rerun: bool = False) -> list[str]:
+    task, length, questions, rows, new_tokens = CELLS[name]
+    argv = ["acre-train", "eval", "--model", str(EXPORT), "--tasks", task, "--split", "test",
+            "--context-tokens", str(length), "--num-examples", str(questions), "--methods", rows,
+            "--max-new-tokens", str(new_tokens), "--device", "cpu", "--dtype", "float32", "--no-progress",
+            "--ledger", str(LEDGER.relative_to(REPO)), "--out", str((DOCS / "cells" / name).relative_to(REPO))]
+    if task == "long_qa":
+        argv += ["--squad", str(SQUAD)]
+    return argv + (["--rerun"] if rerun else [])
+
+
+def make_export() -> Path:
+    from acre_train.quickstart import shipped_adapter_export
+
+    return shipped_adapter_export(EXPORT)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def _interval(values: list[float]) -> tuple[float, float, float]:
+    from acre_train.eval.metrics import bootstrap_ci
+
+    return bootstrap_ci(values)
+
+
+def cell_rows(name: str) -> list[dict]:
+    path = DOCS / "cells" / name / "predictions.jsonl"
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def table() -> str:
+    """One line per (cell, row): score with its 95 % interval, answer contained, KV share, times, memory."""
+    lines = ["| cell | row | score (95 % CI) | answer contained % | answer words | KV share % | "
+             "build s / context | s / question | memory added GiB | n |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in CELLS:
+        if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
+            continue
+        rows = cell_rows(name)
+        task, length, *_ = CELLS[name]
+        metric = "F1" if task == "long_qa" else "answer contained"
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["method"] == method]
+            mean, lo, hi = _interval([100.0 * r["score"] for r in mine])
+            contained = 100.0 * sum(r["substring"] for r in mine) / len(mine)
+            words = sorted(len(r["prediction"].split()) for r in mine)[len(mine) // 2]
+            share = 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in mine) / len(mine)
+            builds = {r.get("context_index"): r.get("prepare_s") or 0.0 for r in mine}
+            build = sum(builds.values()) / max(1, len(builds))
+            answer = sum(r.get("answer_s") or 0.0 for r in mine) / len(mine)
+            memory = max((r.get("memory_added_bytes") or 0) for r in mine) / 2**30
+            lines.append(f"| {name} | `{method}` | {metric} {mean:.1f} ({lo:.1f}–{hi:.1f}) | {contained:.1f} | {words} | "
+                         f"{share:.1f} | {build:.0f} | {answer:.1f} | {memory:.2f} | {len(mine)} |")
+    return "\n".join(lines) + "\n"
+
+
+def ledger_lines() -> str:
+    if not LEDGER.is_file():
+        return "(no test run yet)\n"
+    out = []
+    for line in LEDGER.read_text(encoding="utf-8").splitlines():
+        run = json.loads(line)
+        rerun = " (a rerun)" if run.get("rerun") else ""
+        out.append(f"- `{run['out']}`, {run['when']}, fingerprint `{run['fingerprint']}`{rerun}")
+    return "\n".join(out) + "\n"
+
+
+def page() -> str:
+    head = (REPO / "studies" / "long" / "page.md").read_text(encoding="utf-8")
+    commands = "\n".join(f"    {' '.join(command(n))}" for n in CELLS
+                         if (DOCS / "cells" / n / "predictions.jsonl").is_file())
+    return (head.replace("{table}", table()).replace("{ledger}", ledger_lines())
+            .replace("{commands}", commands or "    (none yet)"))
+
+
+def readme_block() -> str:
+    return f"{MARK}\n{table()}{MARK}\n"
+
+
+def write_report(check: bool = False) -> int:
+    from acre_train.files import write_text_atomic
+
+    target = DOCS / "README.md"
+    readme = REPO / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if text.count(MARK) != 2:
+        raise SystemExit(f"README.md needs two '{MARK}' lines around the long-context table")
+    a, b = text.index(MARK), text.rindex(MARK) + len(MARK) + 1
+    new_readme = text[:a] + readme_block() + text[b:]
+    if check:
+        stale = [str(p) for p, want in ((target, page()), (readme, new_readme))
+                 if not p.is_file() or p.read_text(encoding="utf-8") != want]
+        if stale:
+            print("out of date (run python -m studies.long.cells report): " + ", ".join(stale), file=sys.stderr)
+            return 1
+        return 0
+    write_text_atomic(target, page())
+    write_text_atomic(readme, new_readme)
+    print(f"wrote {target} and the README's long-context table")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m studies.long.cells", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    sub.add_parser("list")
+    run = sub.add_parser("run")
+    run.add_argument("cell", choices=sorted(CELLS))
+    run.add_argument("--rerun", action="store_true")
+    report = sub.add_parser("report")
+    report.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    if args.verb == "list":
+        for name in CELLS:
+            print(f"{name}: {' '.join(command(name))}")
+        return 0
+    if args.verb == "report":
+        return write_report(args.check)
+    make_export()
+    return subprocess.call(command(args.cell, args.rerun), cwd=REPO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
