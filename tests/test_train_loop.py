@@ -588,3 +588,39 @@ def test_one_owner_per_folder_runs_preparations_and_exports(workdir):
             export_model(attach_acre(tiny_model("qwen2", seed=0)), workdir / "own-export")
     with pytest.raises(RecipeError, match="already belongs to a run"):
         validate_recipe(recipe(workdir, "own-a", f"checkpoint.resume_from_checkpoint={workdir / 'own-b-x'}"))
+
+
+def test_vanilla_lora_trains_only_a_lora_on_the_base_s_own_qkv_and_exports_a_plain_model(workdir, tmp_path):
+    """The SFT-vanilla control (recipes/qwen2.5-0.5b/stage2-vanilla-lora.yaml's model section on the tiny
+    stage-2 data): two steps train only q/k/v LoRA weights, and the export is a plain model folder whose
+    q/k/v weights are the base's plus (alpha / r) B A."""
+    from transformers import AutoModelForCausalLM
+
+    from acre_train.export.run import export_run
+    from acre_train.train import load_recipe as load
+
+    shipped = load(ROOT / "recipes/qwen2.5-0.5b/stage2-vanilla-lora.yaml", [])
+    assert (shipped.mode, shipped.model.vanilla, shipped.model.lora.rank) == ("vanilla", "lora", 16)
+    trainer, result = run(recipe(workdir, "sft-vanilla", "mode=vanilla", "model.vanilla=lora", "model.lora.rank=4",
+                                 "model.lora.alpha=8", "train.max_steps=2", "model.init_from=null", stage=2))
+    assert result.steps == 2 and all(np.isfinite(result.losses))
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n and any(f".{t}." in n for t in ("q_proj", "k_proj", "v_proj")) for n in trained)
+    weights = load_file(str(result.last_checkpoint / "trainable.safetensors"))
+    assert set(weights) == trained
+    out = export_run(workdir / "sft-vanilla", tmp_path / "plain", log=lambda *_: None)
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    assert plain.config.model_type == "qwen2" and (out / "tokenizer.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(workdir / "sft-vanilla" / "base_model")
+    key = "model.layers.0.self_attn.q_proj"
+    a = next(v for k, v in weights.items() if key in k and "lora_A" in k)
+    b = next(v for k, v in weights.items() if key in k and "lora_B" in k)
+    want = base.get_submodule(key).weight + (8 / 4) * b @ a
+    torch.testing.assert_close(plain.get_submodule(key).weight, want, rtol=0, atol=1e-6)
+    assert not torch.equal(plain.get_submodule(key).weight, base.get_submodule(key).weight)
+    torch.testing.assert_close(plain.get_submodule("model.layers.0.mlp.up_proj").weight,
+                               base.get_submodule("model.layers.0.mlp.up_proj").weight, rtol=0, atol=0)
+    from acre_train.train.recipe import check_recipe
+
+    assert any("model.vanilla applies to mode: vanilla" in p
+               for p in check_recipe(recipe(workdir, "bad", "model.vanilla=lora", stage=2), 1))

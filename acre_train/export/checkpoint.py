@@ -96,21 +96,8 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     meta = read_meta(checkpoint)
     if meta.get("mode", "acre") != "acre":
         raise ValueError(f"{checkpoint} is a {meta.get('mode')!r} run; only ACRE runs can be exported as ACRE models")
-    recipe_file = checkpoint / "recipe.yaml"
-    recipe = read_yaml(recipe_file.read_text(encoding="utf-8"), str(recipe_file)) if recipe_file.is_file() else {}
-    base_ref = meta.get("base_model") or {}
-    source = str(base_ref.get("source", ""))
-    if source.startswith("tiny:"):
-        base_dir = meta.get("base_model_dir") or str(checkpoint.parent / "base_model")
-        if not Path(base_dir).is_dir():
-            raise FileNotFoundError(f"{checkpoint}: the tiny base model folder {base_dir} is missing")
-        pointer = str(Path(base_dir).resolve())
-    elif source:
-        from ..base.fetch import resolve_source
-
-        pointer = resolve_source(source)
-    else:
-        raise ValueError(f"{checkpoint}: acre_checkpoint.json names no base model")
+    recipe = _run_recipe(checkpoint)
+    pointer = base_pointer(checkpoint, meta)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     base = AutoModelForCausalLM.from_pretrained(pointer, trust_remote_code=False, **kwargs)
 
@@ -135,6 +122,65 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
         inference={**inference_defaults(trained_geometry(meta, recipe)), **trained_refill(recipe)},
         scorer_state=scorer_state, scorer_spec=_learned_spec(recipe) if scorer_state else None,
     )
+
+
+def _run_recipe(checkpoint: Path) -> dict[str, Any]:
+    from ..train.recipe import read_yaml
+
+    recipe_file = checkpoint / "recipe.yaml"
+    return read_yaml(recipe_file.read_text(encoding="utf-8"), str(recipe_file)) if recipe_file.is_file() else {}
+
+
+def base_pointer(checkpoint: Path, meta: dict[str, Any]) -> str:
+    """Where the base a checkpoint was trained on lies (a tiny run's saved base folder, or its source)."""
+    source = str((meta.get("base_model") or {}).get("source", ""))
+    if source.startswith("tiny:"):
+        base_dir = meta.get("base_model_dir") or str(checkpoint.parent / "base_model")
+        if not Path(base_dir).is_dir():
+            raise FileNotFoundError(f"{checkpoint}: the tiny base model folder {base_dir} is missing")
+        return str(Path(base_dir).resolve())
+    if source:
+        from ..base.fetch import resolve_source
+
+        return resolve_source(source)
+    raise ValueError(f"{checkpoint}: acre_checkpoint.json names no base model")
+
+
+def load_vanilla_model(path: str | Path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module, Path, dict, str]:
+    """A ``mode: vanilla`` run's model as a plain causal LM (a LoRA merged into the base's q/k/v):
+    ``(model, checkpoint, recipe, base pointer)``."""
+    from transformers import AutoModelForCausalLM
+
+    from ..train.checkpoint import DS_DIR, DS_TAG, find_weights_checkpoint, load_trainable, read_meta
+
+    checkpoint = find_weights_checkpoint(Path(path))
+    meta = read_meta(checkpoint)
+    if meta.get("mode") != "vanilla":
+        raise ValueError(f"{checkpoint} is not a mode: vanilla run")
+    recipe = _run_recipe(checkpoint)
+    pointer = base_pointer(checkpoint, meta)
+    model = AutoModelForCausalLM.from_pretrained(pointer, trust_remote_code=False,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
+    ds_dir = checkpoint / DS_DIR
+    state = consolidate_zero(ds_dir, tag=DS_TAG) if ds_dir.is_dir() else load_trainable(checkpoint)
+    section = recipe.get("model") or {}
+    if section.get("vanilla") == "lora":
+        from ..train.model import vanilla_lora
+        from ..train.recipe import LoraSection
+
+        model = vanilla_lora(model, LoraSection(**(section.get("lora") or {})).model_dump())
+    own = dict(model.named_parameters())
+    names = {k.removeprefix("model.") if k not in own and k.removeprefix("model.") in own else k: v
+             for k, v in state.items()}  # a loss module's "model." prefix, where the checkpoint kept it
+    missing = [k for k in names if k not in own]
+    if missing:
+        raise ValueError(f"{checkpoint} holds weights this model does not have: {missing[:3]}")
+    with torch.no_grad():
+        for name, tensor in names.items():
+            own[name].copy_(tensor)
+    if section.get("vanilla") == "lora":
+        model = model.merge_and_unload()
+    return model.eval(), checkpoint, recipe, pointer
 
 
 def _learned_spec(recipe: dict[str, Any]) -> str:

@@ -24,9 +24,12 @@ def export_run(source: str | Path, out_dir: str | Path, *, adapter_only: bool = 
     """
     import torch
 
+    from ..train.checkpoint import find_weights_checkpoint, read_meta
     from .checkpoint import load_checkpoint_model, load_tokenizer
     from .writer import export_model
 
+    if read_meta(find_weights_checkpoint(Path(source))).get("mode") == "vanilla":
+        return export_vanilla_run(source, out_dir, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite, log=log)
     loaded = load_checkpoint_model(str(source), dtype=getattr(torch, dtype) if dtype else None)
     tok = load_tokenizer(tokenizer or loaded.tokenizer_spec, loaded.base_pointer)
     if tok is None:
@@ -51,3 +54,28 @@ def export_run(source: str | Path, out_dir: str | Path, *, adapter_only: bool = 
     log(f"exported {loaded.checkpoint} ({loaded.weights_from}) -> {out} [{form}, {size / 2**20:.1f} MiB]")
     log(f"inference defaults: {json.dumps(inference)}")
     return Path(out)
+
+
+def export_vanilla_run(source: str | Path, out_dir: str | Path, *, tokenizer: str | None = None, dtype: str | None = None,
+                       overwrite: bool = False, log: Callable[[str], object] = print) -> Path:
+    """A ``mode: vanilla`` run -> a plain Hugging Face model folder (its LoRA merged), which every verb and the
+    ``full`` eval row load like any base: the SFT-vanilla control of a comparison."""
+    import torch
+
+    from ..files import atomic_dir
+    from .checkpoint import _data_tokenizer, load_tokenizer, load_vanilla_model
+    from .writer import _check_target
+
+    model, checkpoint, recipe, pointer = load_vanilla_model(source, dtype=getattr(torch, dtype) if dtype else None)
+    final = _check_target(Path(out_dir), overwrite, plain=True)
+    prepare = ((recipe.get("data") or {}).get("prepare") or {})
+    tok = load_tokenizer(tokenizer or prepare.get("tokenizer") or _data_tokenizer(recipe), pointer)
+    with atomic_dir(final, f"the export {final}") as out:
+        model.save_pretrained(out)
+        if tok is not None:
+            tok.save_pretrained(out)
+        (out / "acre_vanilla.json").write_text(json.dumps(
+            {"checkpoint": str(checkpoint.resolve()), "base_model": pointer,
+             "trained": (recipe.get("model") or {}).get("vanilla", "full")}, indent=2) + "\n", encoding="utf-8")
+    log(f"exported {checkpoint} (mode: vanilla) -> {final} [a plain model folder]")
+    return final

@@ -97,13 +97,16 @@ def _write(model: nn.Module, out: Path, final: Path, tokenizer: Any, adapter_onl
     (out / "README.md").write_text(EXPORT_README.format(folder=final), encoding="utf-8")
 
 
-def _check_target(out: Path, overwrite: bool) -> Path:
-    """``out`` may be written: absent, empty, or an ACRE export with ``overwrite``."""
+def _check_target(out: Path, overwrite: bool, plain: bool = False) -> Path:
+    """``out`` may be written: absent, empty, or (with ``overwrite``) an ACRE export, or a vanilla run's
+    export when ``plain``."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
-        if not (out / "config.json").is_file() or json.loads((out / "config.json").read_text()).get("model_type") != "acre":
-            raise FileExistsError(f"refusing to overwrite {out}: it is not an ACRE export")
+        ours = (out / "acre_vanilla.json").is_file() if plain else (
+            (out / "config.json").is_file() and json.loads((out / "config.json").read_text()).get("model_type") == "acre")
+        if not ours:
+            raise FileExistsError(f"refusing to overwrite {out}: it is not an {'export of a vanilla run' if plain else 'ACRE export'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)  # left by a killed export
     return out

@@ -16,10 +16,11 @@ from torch import nn
 
 
 def linear_params(model: nn.Module) -> tuple[int, int]:
-    """(weights of the decoder layers' linear maps, weights of the LM head), L1 copies excluded."""
+    """(weights of the decoder layers' linear maps, weights of the LM head), L1 copies and LoRA deltas excluded."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft LoRA (SFT-vanilla)
     decoder = 0
     for name, module in model.model.layers.named_modules():
-        if isinstance(module, nn.Linear) and ".acre_" not in f".{name}":
+        if isinstance(module, nn.Linear) and ".acre_" not in f".{name}" and ".lora_" not in f".{name}":
             decoder += module.weight.numel()
     return decoder, model.lm_head.weight.numel()
 
@@ -27,7 +28,7 @@ def linear_params(model: nn.Module) -> tuple[int, int]:
 def step_flops(model: nn.Module, batches: list[dict[str, torch.Tensor]], trains_base: bool = False) -> float:
     """Forward + backward FLOPs of one optimizer step over ``batches`` (its micro-batches)."""
     decoder, head = linear_params(model)
-    config = model.config
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     width = config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     backward_linear = 2 if trains_base else 1  # input grads (+ weight grads when the base trains)
     total = 0.0

@@ -50,6 +50,8 @@ def build_model(recipe: Recipe) -> nn.Module:
     if recipe.mode == "acre":
         m = recipe.model
         attach_acre(model, train_o_proj=m.train_o_proj, lora=m.lora.model_dump() if m.l1 == "lora" else None)
+    elif recipe.model.vanilla == "lora":
+        model = vanilla_lora(model, recipe.model.lora.model_dump())
     else:
         model.requires_grad_(True)
     if recipe.model.init_from:
@@ -61,6 +63,19 @@ def build_model(recipe: Recipe) -> nn.Module:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+VANILLA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj")
+
+
+def vanilla_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    """The base with a peft LoRA on its own q/k/v projections (every base weight frozen): the SFT-vanilla
+    control, trained on ACRE's data and steps with plain causal attention."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
+                        target_modules=list(VANILLA_LORA_TARGETS), bias="none")
+    return get_peft_model(model, config)
 
 
 def load_initial_weights(model: nn.Module, recipe: Recipe) -> Path:
@@ -236,9 +251,10 @@ class LossModule(nn.Module):
         return loss_fn(head.weight, hidden[selected], labels[selected], getattr(head, "bias", None)), int(selected.sum())
 
     def _vanilla(self, input_ids, labels, attention_mask):
-        hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # a peft LoRA
+        hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         selected = labels != IGNORE_INDEX
-        return chunked_lm_loss(self.model.lm_head, hidden[selected], labels[selected]), int(selected.sum())
+        return chunked_lm_loss(lm.lm_head, hidden[selected], labels[selected]), int(selected.sum())
 
 
 def save_base(model_source: nn.Module, path: Path, recipe: Recipe) -> None:

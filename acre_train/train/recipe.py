@@ -84,6 +84,9 @@ class ModelSection(_Section):
     # delta on frozen copies (a few MB of weights instead of a copy of every q/k/v).
     l1: Literal["full", "lora"] = "full"
     lora: LoraSection = Field(default_factory=lambda: LoraSection())
+    # mode: vanilla trains every base weight ("full") or a peft LoRA of model.lora's shape on the base's
+    # own q/k/v ("lora"): the paper's SFT-vanilla control, the same data with plain causal attention.
+    vanilla: Literal["full", "lora"] = "full"
     kernel: Literal["chunked", "dense", "flex"] | None = None  # ACRE attention kernel; None = default for the device
     gradient_checkpointing: bool = False  # always non-reentrant (DESIGN §3: gradients cross chunks)
     init_from: str | None = None  # stage 2: a stage-1 run directory, checkpoint directory or adapter-only export
@@ -412,7 +415,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[str]:
     if recipe.train.warmup_steps is not None and recipe.train.warmup_ratio:
         problems.append("train.warmup_steps and train.warmup_ratio are both set; keep one")
     if recipe.mode == "vanilla" and recipe.model.train_o_proj:
-        problems.append("model.train_o_proj only applies to mode: acre (vanilla trains every base weight)")
+        problems.append("model.train_o_proj only applies to mode: acre (vanilla trains the base's own weights)")
     return problems
 
 
@@ -448,7 +451,10 @@ def _check_model(recipe: Recipe) -> list[str]:
         problems.append(f"model.source {m.source!r} does not exist (a local directory or a hub name is expected)")
     elif (Path(m.source).expanduser() / "config.json").is_file():
         problems += _check_local_model_type(Path(m.source).expanduser())
-    if m.l1 != "lora" and m.lora != LoraSection():
+    vanilla_lora = recipe.mode == "vanilla" and m.vanilla == "lora"
+    if m.vanilla == "lora" and recipe.mode != "vanilla":
+        problems.append("model.vanilla applies to mode: vanilla (what it trains); acre runs set model.l1")
+    if m.l1 != "lora" and m.lora != LoraSection() and not vanilla_lora:
         problems.append(f"model.lora sets {m.lora.model_dump()} but model.l1 is {m.l1!r} (full copies), so it would be "
                         "ignored: set model.l1=lora, or drop the LoRA settings (model.lora={})")
     if m.kernel == "flex":

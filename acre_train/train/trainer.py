@@ -379,7 +379,8 @@ class Trainer(RunFolder):
         chunks = sum(mix.values())
         tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
         self.tokens_seen += tokens
-        flops = step_flops(self.model, tensors, trains_base=self.recipe.mode == "vanilla")
+        r = self.recipe
+        flops = step_flops(self.model, tensors, trains_base=r.mode == "vanilla" and r.model.vanilla == "full")
         if self.recipe.train.refill_loss.scorer_only:  # no answer loss is computed: the run's loss is the refill loss
             loss_sum, global_labels = refill_sum, global_refill
         metrics = {"loss": loss_sum / max(global_labels, 1.0), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
