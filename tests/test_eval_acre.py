@@ -359,3 +359,21 @@ def test_calibrate_at_several_lengths_stores_a_band_per_length_that_the_engine_p
         context_tokens = 500
     picked = engine.settings_for(_Cache())
     assert picked.with_selection(firsts[1]) == picked and picked.max_refill == 64
+
+
+def test_the_acre_row_answers_with_the_stored_band_of_its_context_and_its_own_options_hold_everywhere(tmp_path):
+    from acre_train.eval.harness import EvalConfig, evaluate
+    from acre_train.eval.methods import parse_methods
+    from acre_train.infer.load import load_export
+
+    bands = ["500: l2:layers=1,heads=max +grow=1", "l2:layers=0,heads=max +grow=2,densest eta=32"]
+    export, tok = _tiny_export(tmp_path, scorer="l2:layers=1", bands=bands)
+    model, tok, _ = load_export(export, dtype=torch.float32)
+    examples = [e for n in (300, 900) for e in build_task("niah_multikey", tok, n, 1, seed=3)]
+    rows = evaluate(model, tok, examples, parse_methods("acre,acre:grow=3"),
+                    config=EvalConfig(max_new_tokens=2, progress=False)).rows
+    stored = [r for r in rows if r["method"] == "acre"]
+    assert [r["acre_scorer"] for r in stored] == ["l2:layers=1,heads=max +grow=1", "l2:layers=0,heads=max +grow=2,densest"]
+    assert stored[1]["acre_k"] == 32 // 16  # the long band's eta over 16-token spans
+    own = [r for r in rows if r["method"] != "acre"]
+    assert [r["acre_scorer"] for r in own] == ["l2:layers=1 +grow=3"] * 2 and own[1]["acre_k"] == 64 // 16

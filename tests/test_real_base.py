@@ -139,3 +139,29 @@ def test_one_distilled_stage1_step_lowers_the_kl_on_a_held_out_span():
     after = held_kl()
     print(f"held-out KL per token {before:.4f} -> {after:.4f}")
     assert after < before
+
+
+@pytest.mark.skipif(os.environ.get("ACRE_TRAIN_LONG_TESTS") != "1",
+                    reason="~11 minutes on 2 cores; ACRE_TRAIN_LONG_TESTS=1 runs it (kept out of CI's 15 minutes)")
+def test_a_64k_context_past_the_base_s_window_builds_within_its_memory_bound_and_answers_a_needle(tmp_path):
+    """The shipped adapter with its length bands on a 64K-token long_needles dev context (twice the base's
+    32K window): the bi-layer cache builds with under 6 GiB added, and the first question is answered."""
+    import torch
+
+    from acre_train.eval.long_tasks import JARGON, build_long_task
+    from acre_train.infer import AcreEngine
+    from acre_train.infer.load import load_export
+    from acre_train.infer.settings import inference_settings
+    from acre_train.measure import PeakMemory
+    from acre_train.quickstart import shipped_adapter_export
+
+    JARGON.locate()  # the haystack (apt-get install jargon-text)
+    model, tok, data = load_export(shipped_adapter_export(tmp_path / "export"), dtype=torch.float32)
+    cache_settings, refill = inference_settings(data)
+    engine = AcreEngine(model, tok, cache_settings=cache_settings, refill=refill.replace(max_new_tokens=16))
+    example = build_long_task("long_needles", tok, 65536, 1, "dev")[0]
+    with PeakMemory() as peak:
+        cache = engine.build(f"{example.instruction}\n\n{example.context}", progress=False)
+    assert cache.context_tokens > 65000 and peak.added_bytes < 6 * 2**30
+    answer = engine.answer(cache, example.question)
+    assert example.answers[0] in answer.text, (answer.text, example.answers)

@@ -38,7 +38,7 @@ CELLS: dict[str, tuple[str, int, int, str, int]] = {
 
 def command(name: str, rerun: bool = False) -> list[str]:
     task, length, questions, rows, new_tokens = CELLS[name]
-    argv = ["acre-train", "eval", "--model", str(EXPORT), "--tasks", task, "--split", "test",
+    argv = ["acre-train", "eval", "--model", str(EXPORT.relative_to(REPO)), "--tasks", task, "--split", "test",
             "--context-tokens", str(length), "--num-examples", str(questions), "--methods", rows,
             "--max-new-tokens", str(new_tokens), "--device", "cpu", "--dtype", "float32", "--no-progress",
             "--ledger", str(LEDGER.relative_to(REPO)), "--out", str((DOCS / "cells" / name).relative_to(REPO))]
