@@ -186,3 +186,11 @@ def test_eval_on_the_test_split_runs_once_and_a_rerun_names_the_first(tmp_path, 
     runs = json.loads((tmp_path / "run2" / "test_runs.json").read_text())
     assert [r["out"] for r in runs["earlier_runs"]] == [str(tmp_path / "run1")]
     assert len(ledger.read_text().splitlines()) == 2
+
+
+def test_the_published_long_tables_are_what_the_script_writes():
+    """docs/long/README.md and the README's long-context block come from the committed predictions through
+    studies/long/cells.py; a hand edit or a stale table fails here."""
+    from studies.long.cells import write_report
+
+    assert write_report(check=True) == 0
