@@ -18,6 +18,36 @@ from typing import Any, Callable
 EXIT_USER_ERROR = 2
 EXIT_PEER_LOST = 3  # a distributed peer died: the run is resumable, but not by this process
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process the signal ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, ``kill``), handled as Ctrl-C is: the finished step is saved."""
+
+
+def sigterm_as_interrupt():
+    """A context manager: within it, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, or
+    where signals cannot be set, it changes nothing); the earlier handler comes back after."""
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def scope():
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):  # noqa: ARG001
+            raise Terminated()
+
+        before = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+    return scope()
 
 
 def key_hint(key: str, known, *, cutoff: float = 0.6) -> str:
@@ -102,7 +132,7 @@ def _one_line(exc: BaseException) -> str:
 
 def user_errors(run: Callable[..., int], verb: str = "") -> Callable[..., int]:
     """``run`` with the policy applied: user errors print ``acre-train VERB: error: ...`` and return 2;
-    Ctrl-C returns 130 (what was saved has been said); a lost distributed peer returns 3."""
+    Ctrl-C returns 130 and SIGTERM 143 (what was saved has been said); a lost distributed peer returns 3."""
 
     @functools.wraps(run)
     def wrapper(args: Any, *rest: Any, **kw: Any) -> int:
@@ -110,6 +140,8 @@ def user_errors(run: Callable[..., int], verb: str = "") -> Callable[..., int]:
         prefix = f"acre-train {name}: " if name else "acre-train: "
         try:
             return run(args, *rest, **kw)
+        except Terminated:
+            return EXIT_TERMINATED
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
         except PeerLost as exc:

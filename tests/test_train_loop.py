@@ -624,3 +624,56 @@ def test_vanilla_lora_trains_only_a_lora_on_the_base_s_own_qkv_and_exports_a_pla
 
     assert any("model.vanilla applies to mode: vanilla" in p
                for p in check_recipe(recipe(workdir, "bad", "model.vanilla=lora", stage=2), 1))
+
+
+def test_a_folder_acre_train_did_not_make_is_neither_run_in_nor_cleared(workdir):
+    """--overwrite clears only a run folder of ours: a folder holding someone's files (or a recipe.yaml no
+    run wrote) is refused before anything in it is touched; a run folder carries acre-train's marker."""
+    from acre_train.train.recipe import RUN_MARKER, check_recipe
+
+    theirs = workdir / "theirs"
+    (theirs / "tensorboard").mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    (theirs / "metrics.jsonl").write_text("{}\n")
+    for extra in ([], ["checkpoint.overwrite=true"]):
+        problems = check_recipe(recipe(workdir, "theirs", *extra), 1)
+        assert any("holds files no acre-train run wrote (notes.txt)" in p for p in problems), problems
+    with pytest.raises(ValueError, match="no acre-train run wrote"):
+        run(recipe(workdir, "theirs", "checkpoint.overwrite=true"))
+    assert sorted(p.name for p in theirs.iterdir()) == ["metrics.jsonl", "notes.txt", "tensorboard"]
+    lone = workdir / "lone"
+    lone.mkdir()
+    (lone / "recipe.yaml").write_text("run_name: mine\n")
+    assert any("recipe.yaml that no acre-train run wrote" in p for p in check_recipe(recipe(workdir, "lone"), 1))
+    _, done = run(recipe(workdir, "ours", "train.max_steps=2"))
+    assert (workdir / "ours" / RUN_MARKER).is_file()
+    (workdir / "ours" / "notes.txt").write_text("a user's notes in a run folder of ours")
+    _, again = run(recipe(workdir, "ours", "train.max_steps=2", "checkpoint.overwrite=true"))
+    assert again.steps == 2 and (workdir / "ours" / "notes.txt").read_text().startswith("a user's")
+
+
+def test_sigterm_saves_the_last_finished_step_like_ctrl_c_and_exits_143(workdir, monkeypatch, capsys):
+    import os
+    import signal
+
+    from acre_train.cli import main as cli_main
+    from acre_train.errors import EXIT_TERMINATED
+
+    original = Trainer.train_step
+
+    def step(self, batch, number, logger):
+        if number == 3:  # a scheduler stops the job during step 3: steps 1-2 are finished
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, batch, number, logger)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    before = signal.getsignal(signal.SIGTERM)
+    args = ["train", str(ROOT / "recipes/tiny_stage1.yaml"), "run_name=term", f"output_root={workdir}",
+            f"data.path={workdir / 'data1'}", *SMALL_DATA, "train.max_steps=6", "checkpoint.every_steps=5",
+            "logging.progress_bar=false"]
+    assert cli_main(args) == EXIT_TERMINATED
+    assert (workdir / "term" / "latest").read_text().strip() == "checkpoint-2"
+    assert [json.loads(x)["step"] for x in (workdir / "term" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the run's only
+    out = capsys.readouterr()
+    assert "interrupted: saved checkpoint-2" in out.out + out.err

@@ -598,6 +598,21 @@ def _check_deepspeed(recipe: Recipe, world_size: int) -> list[str]:
 
 
 RUN_FILES = ("metrics.jsonl", "tensorboard", "latest")  # what a run writes besides checkpoint-N/
+RUN_MARKER = ".acre-train-run"  # written first into every run folder: what --overwrite may clear is ours
+OURS = (*RUN_FILES, "recipe.yaml", "base_model", RUN_MARKER)  # and checkpoint-N/ folders
+
+
+def foreign_files(run_dir: Path) -> list[str]:
+    """What a run folder holds that no acre-train run wrote (empty for a run folder of ours or a new one).
+
+    A folder with our marker is ours whatever else it holds (a run's user may keep notes in it); without
+    it, anything but a run's own names is someone else's."""
+    import re as re_
+
+    if not run_dir.is_dir() or (run_dir / RUN_MARKER).is_file():
+        return []
+    ours = r"checkpoint-\d+|\.checkpoint-\d+\.partial|samples_rank\d+\.jsonl"
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in OURS and not re_.fullmatch(ours, p.name))
 
 
 def earlier_run(run_dir: Path) -> str | None:
@@ -613,6 +628,15 @@ def earlier_run(run_dir: Path) -> str | None:
 
 def _check_resume(recipe: Recipe) -> list[str]:
     resume = recipe.checkpoint.resume_from_checkpoint
+    foreign = foreign_files(recipe.run_dir)
+    if foreign:  # a folder acre-train did not make: neither start in it nor clear it
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        return [f"run dir {recipe.run_dir} holds files no acre-train run wrote ({shown}); choose another run_name "
+                "or output_root (nothing in it is touched)"]
+    if (recipe.run_dir / "recipe.yaml").is_file() and not (recipe.run_dir / RUN_MARKER).is_file() \
+            and not earlier_run(recipe.run_dir):
+        return [f"run dir {recipe.run_dir} holds a recipe.yaml that no acre-train run wrote; a run would replace "
+                "it: choose another run_name, or move the file"]
     if not resume and not recipe.checkpoint.overwrite:
         found = earlier_run(recipe.run_dir)
         if found:

@@ -52,6 +52,11 @@ class RunFolder:
             if self.recipe.checkpoint.overwrite:
                 self.clear_earlier_run()
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            from .recipe import RUN_MARKER
+
+            marker = self.run_dir / RUN_MARKER
+            if not marker.is_file():
+                marker.write_text(f"acre-train run folder: {self.recipe.run_name}\n", encoding="utf-8")
             (self.run_dir / "recipe.yaml").write_text(self.recipe.to_yaml(), encoding="utf-8")
             base_dir = self.run_dir / "base_model"
             if self.recipe.model.source.startswith("tiny:") and self.recipe.model.save_base and not base_dir.exists():
@@ -59,10 +64,15 @@ class RunFolder:
         self.info.barrier()
 
     def clear_earlier_run(self) -> None:
-        """``checkpoint.overwrite``: remove what an earlier run wrote here (checkpoints, logs), nothing else."""
+        """``checkpoint.overwrite``: remove what an earlier run wrote here (checkpoints, logs), nothing else;
+        a folder holding what no run of ours wrote is refused before anything goes (``recipe._check_resume``)."""
         import shutil
 
-        from .recipe import RUN_FILES
+        from .recipe import RUN_FILES, foreign_files
+
+        if foreign_files(self.run_dir):  # checked at validation too; a file that appeared since stops it here
+            raise RecipeError([f"run dir {self.run_dir} holds files no acre-train run wrote: "
+                               f"{', '.join(foreign_files(self.run_dir))}; nothing was removed"])
 
         for path in [*ckpt.list_checkpoints(self.run_dir), *(self.run_dir / n for n in RUN_FILES)]:
             if path.is_dir():

@@ -273,11 +273,14 @@ class Trainer(RunFolder):
 
     def run(self) -> TrainResult:
         """Train; the main rank owns the run dir for the whole run (a second process is refused at once)."""
+        from ..errors import sigterm_as_interrupt
+
         if not self.info.is_main:
-            return self._run()
+            with sigterm_as_interrupt():
+                return self._run()
         from ..files import FolderLock
 
-        with FolderLock(self.run_dir, "training run"):
+        with FolderLock(self.run_dir, "training run"), sigterm_as_interrupt():  # SIGTERM saves as Ctrl-C does
             self.check_still_free()
             return self._run()
 
@@ -335,7 +338,7 @@ class Trainer(RunFolder):
                     result.checkpoint_seconds.append(time.perf_counter() - began)
                     metrics["checkpoint_seconds"] = result.checkpoint_seconds[-1]
                 logger.log_step(step, metrics)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C, and SIGTERM (errors.Terminated)
             # The weights hold the last *finished* step (an interrupted step never reached the
             # optimizer): keep it. Distributed ranks may be anywhere, so only one process saves.
             if result.steps > saved_step and not self.info.distributed:
