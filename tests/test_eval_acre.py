@@ -377,3 +377,17 @@ def test_the_acre_row_answers_with_the_stored_band_of_its_context_and_its_own_op
     assert stored[1]["acre_k"] == 32 // 16  # the long band's eta over 16-token spans
     own = [r for r in rows if r["method"] != "acre"]
     assert [r["acre_scorer"] for r in own] == ["l2:layers=1 +grow=3"] * 2 and own[1]["acre_k"] == 64 // 16
+
+
+def test_a_second_calibration_of_one_export_is_refused_while_the_first_runs(tmp_path, capsys):
+    from acre_train.cli import main
+    from acre_train.files import FolderLock
+
+    export, tok = _tiny_export(tmp_path)
+    dev = tmp_path / "dev.jsonl"
+    save_jsonl(build_task("niah_multikey", tok, 400, 2, seed=5), dev)
+    before = (export / "config.json").read_text()
+    with FolderLock(export, "calibration"):  # what a first calibrate holds while it runs
+        assert main(["calibrate", str(export), "--data", str(dev), "--scorers", "l1", "--no-progress"]) == 2
+    assert "in use by another calibration" in capsys.readouterr().err
+    assert (export / "config.json").read_text() == before

@@ -308,6 +308,17 @@ def _layer_sets(text: str) -> list[tuple[int, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Calibrate one export; a second ``calibrate`` of the same export while one runs is refused at once
+    (both would write its config.json), a dry run excepted."""
+    from ..files import FolderLock
+
+    if args.dry_run:
+        return _run(args)
+    with FolderLock(Path(args.export), "calibration"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..modeling.learned_scorer import query_map_of
     from ..infer.load import load_export
     from ..modeling.export_format import check_export_dir
