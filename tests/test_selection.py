@@ -96,3 +96,11 @@ def test_keep_sinks_first_costs_one_span_however_many_chunks_the_context_has():
         working_window=10 + 4 * 4, scorer="l2:layers=1,heads=max,sinks=1,keep_sinks=1", grow=1, max_new_tokens=2))
     sinks = spans.answer(spans.build(_ids(70, 3)), q)
     assert sinks.k == 2 and sinks.refilled.nonzero().flatten().tolist() == [0, 1, 2, 3, 16, 17, 18, 19]
+
+
+def test_a_stored_scorer_layer_the_model_lacks_fails_when_the_engine_is_made():
+    config = {"acre": {"inference": {"first_chunk": 16, "stride": 8, "interval": 4, "scorer": "l2:layers=1",
+                                     "bands": ["30: l2:layers=1 +grow=1", "l2:layers=9 +grow=2"]}}}
+    cache_settings, refill = inference_settings(config)
+    with pytest.raises(ValueError, match=r"scoring layers \(9,\) out of range"):
+        AcreEngine(_model("llama"), cache_settings=cache_settings, refill=refill)

@@ -117,6 +117,9 @@ class AcreEngine:
         # as well. What changes then: the tail attends to the L1 memory, not to the refilled spans (it
         # cannot know the question); off, the tail re-runs over every refilled cache, as training has it.
         self.close_tail = close_tail or self.refill.close_tail
+        layers = model.config.num_hidden_layers  # a stored scorer's layers fail here, not at the first question
+        for selection in [self.refill.selection] + [s for _, s in (self.refill.bands.bands if self.refill.bands else ())]:
+            selection.scorer.resolved_layers(layers)
         self.device = execution_device(model)
         self._fingerprint: str | None = None
         self._pieces: dict[int, str] = {}  # each token id's text, for sentence ends (decoded once per engine)
