@@ -28,11 +28,11 @@ MARK = "<!-- long-context table: studies/long/cells.py -->"
 # name: (task, context tokens, questions, rows, max new tokens)
 CELLS: dict[str, tuple[str, int, int, str, int]] = {
     "needles-16k": ("long_needles", 16384, 64, "full,truncated:budget=1536,acre", 32),
-    "needles-32k": ("long_needles", 32768, 64, "full,truncated:budget=1536,acre", 32),
-    "chain-16k": ("long_chain", 16384, 64, "full,truncated:budget=1536,acre", 32),
-    "qa-16k": ("long_qa", 16384, 64, "full,truncated:budget=1536,acre", 48),
-    "needles-64k": ("long_needles", 65536, 40, "full,acre", 32),
-    "needles-128k": ("long_needles", 131072, 40, "full,acre", 32),
+    "needles-32k": ("long_needles", 32768, 64, "full,truncated:budget=1536,cachefocus,acre", 32),
+    "chain-16k": ("long_chain", 16384, 64, "full,truncated:budget=1536,cachefocus,acre", 32),
+    "qa-16k": ("long_qa", 16384, 64, "full,truncated:budget=1536,cachefocus,acre", 48),
+    "needles-64k": ("long_needles", 65536, 40, "full,cachefocus,acre", 32),
+    "needles-128k": ("long_needles", 131072, 40, "full,cachefocus,acre", 32),
 }
 
 
