@@ -92,6 +92,34 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_table() -> str:
+    """The README's table: one line per cell, each row's score (95 % interval) side by side, then ACRE's
+    KV share, build, time per question and memory (docs/long/README.md has every row's)."""
+    columns = {"full": "full attention", "truncated:budget=1536": "truncated to 1,536", "cachefocus": "CacheFocus",
+               "acre": "ACRE"}
+    lines = ["| cell | metric | " + " | ".join(columns.values()) + " | ACRE KV share % | ACRE build s | "
+             "ACRE s / question | ACRE memory GiB | questions |",
+             "|---|---|" + "---:|" * (len(columns) + 5)]
+    for name in CELLS:
+        if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
+            continue
+        rows = cell_rows(name)
+        metric = "F1" if CELLS[name][0] == "long_qa" else "contained"
+        scores = []
+        for method in columns:
+            mine = [100.0 * r["score"] for r in rows if r["method"] == method]
+            scores.append("{:.1f} ({:.0f}–{:.0f})".format(*_interval(mine)) if mine else "–")
+        acre = [r for r in rows if r["method"] == "acre"]
+        share = 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in acre) / len(acre)
+        builds = {r.get("context_index"): r.get("prepare_s") or 0.0 for r in acre}
+        build = sum(builds.values()) / max(1, len(builds))
+        answer = sum(r.get("answer_s") or 0.0 for r in acre) / len(acre)
+        memory = max((r.get("memory_added_bytes") or 0) for r in acre) / 2**30
+        lines.append(f"| {name} | {metric} | " + " | ".join(scores) +
+                     f" | {share:.1f} | {build:.0f} | {answer:.1f} | {memory:.2f} | {len(acre)} |")
+    return "\n".join(lines) + "\n"
+
+
 def ledger_lines() -> str:
     if not LEDGER.is_file():
         return "(no test run yet)\n"
@@ -147,7 +175,7 @@ def cautions() -> str:
 
 
 def readme_block() -> str:
-    return f"{MARK}\n{table()}\n{cautions()}{MARK}\n"
+    return f"{MARK}\n{compact_table()}\n{cautions()}{MARK}\n"
 
 
 def write_report(check: bool = False) -> int:
