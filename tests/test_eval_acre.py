@@ -304,7 +304,7 @@ def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys
     assert {r["acre_scorer"] for r in rows} == {chosen + selection_suffix(best["neighbors"], best["grow"], best["grow_shape"]),
                                                 "l2:layers=1,heads=max,sinks=2 +neighbors"}
     summary = json.loads((out / "summary.json").read_text())["overall"]
-    for label in ("acre", "acre:scorer=l2:layers=1:heads=max:sinks=2:neighbors=1"):
+    for label in ("acre", "acre:scorer=l2:layers=1,heads=max,sinks=2:neighbors=1"):  # --scorer's spelling
         e = summary[label]
         assert e["score_when_refilled_n"] + e["score_when_missed_n"] == 4
         assert e["refill_coverage"] is not None

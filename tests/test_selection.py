@@ -104,3 +104,55 @@ def test_a_stored_scorer_layer_the_model_lacks_fails_when_the_engine_is_made():
     cache_settings, refill = inference_settings(config)
     with pytest.raises(ValueError, match=r"scoring layers \(9,\) out of range"):
         AcreEngine(_model("llama"), cache_settings=cache_settings, refill=refill)
+
+
+BANDED = {"acre": {"inference": {"first_chunk": 16, "stride": 8, "interval": 4, "max_refill": 32, "scorer": "l2:layers=1",
+                                 "bands": ["40: l2:layers=1 +grow=1", "l2:layers=1 +grow=2,densest eta=48"]}}}
+
+
+def test_the_selection_flags_are_the_words_table_and_reach_the_engine_settings():
+    """chat/generate's flags come from one table; --selection replaces the export's selection and bands
+    (its eta included, an explicit --max-refill winning), --close-tail keeps the bands and closes each."""
+    import argparse
+
+    from acre_train.modeling.selection_words import FLAGS, add_selection_flags, selection_overrides
+
+    parser = argparse.ArgumentParser()
+    add_selection_flags(parser)
+    args = parser.parse_args(["--selection", "l2:layers=0,heads=max +grow=3,sentences eta=24"])
+    assert set(selection_overrides(args)) == set(FLAGS)
+    _, refill = inference_settings(BANDED, selection_overrides(args))
+    assert refill.bands is None and refill.max_refill == 24
+    assert refill.selection.describe() == "l2:layers=0,heads=max +grow=3,sentences"
+    _, refill = inference_settings(BANDED, selection_overrides(args) | {"max_refill": 40})
+    assert refill.max_refill == 40
+    _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--close-tail"])))
+    assert [s.close_tail for _, s in refill.bands.bands] == [True, True] and refill.close_tail
+    _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--grow", "4"])))
+    assert refill.bands is None and refill.grow == 4 and refill.grow_shape == "attention"
+
+
+@pytest.mark.parametrize("row,scorer", [
+    ("acre:scorer=l2:layers=1,heads=max,sinks=2", "l2:layers=1,heads=max,sinks=2"),  # what --scorer takes
+    ("acre:scorer=l2:layers=1:heads=max:sinks=2", "l2:layers=1,heads=max,sinks=2"),  # the older colon spelling
+    ("acre:scorer=l2:layers=0+1,learned=1", "l2:layers=0+1,learned=1"),
+])
+def test_the_acre_row_takes_the_scorer_as_the_command_line_spells_it(row, scorer):
+    from acre_train.eval.methods import parse_methods
+
+    full, acre, last = parse_methods(f"full,{row},truncated:budget=64")
+    assert (full.name, last.name) == ("full", "truncated")
+    assert acre.scorer_settings(None) == ScorerSettings.parse(scorer)
+
+
+def test_the_acre_row_takes_a_whole_selection_and_answers_as_chat_does_with_it():
+    from acre_train.eval.methods import parse_methods
+
+    spec = "l2:layers=1,heads=max,sinks=2,keep_sinks=first +grow=2,sentences eta=24"
+    (row,) = parse_methods(f"acre:selection={spec}")
+    assert Selection.parse(row.selection).describe() == spec
+    model = _model("llama")
+    model.config.acre = BANDED["acre"]
+    _, refill = inference_settings(model.config, row.overrides() | {"selection": row.selection})
+    _, chat = inference_settings(BANDED, {"selection": spec})
+    assert refill == chat and refill.max_refill == 24 and refill.bands is None

@@ -457,7 +457,7 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
            "train.refill_sim.interval=4", "train.refill_sim.scorer=l2:layers=0,heads=max", "train.refill_sim.grow=2",
            "train.refill_sim.grow_shape=centered"]
     _, plain = run(recipe(workdir, "rs-plain", *common, stage=2))
-    _, full = run(recipe(workdir, "rs-full", *common, *sim, stage=2))
+    sim_trainer, full = run(recipe(workdir, "rs-full", *common, *sim, stage=2))
     assert all(np.isfinite(full.losses)) and full.losses != plain.losses
     _, first = run(recipe(workdir, "rs-cut", *common, *sim, "checkpoint.stop_after_step=2", stage=2))
     _, second = run(recipe(workdir, "rs-cut", *common, *sim, "checkpoint.resume_from_checkpoint=latest", stage=2))
@@ -471,6 +471,10 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
     assert (stored["interval"], stored["max_refill"], stored["neighbors"], stored["grow"], stored["grow_shape"]) == \
         (4, 8, False, 2, "centered")
     assert ScorerSettings.parse(stored["scorer"]) == ScorerSettings.parse("l2:layers=0,heads=max")
+    simulated = sim_trainer.sim_settings()  # what training answered with is what the export stores, field by field
+    for key in ("first_chunk", "stride", "interval", "working_window", "max_refill", "neighbors", "grow", "grow_shape"):
+        assert getattr(simulated, key) == stored[key], key
+    assert simulated.scorer == ScorerSettings.parse(stored["scorer"])
     assert cli_main(["export", str(workdir / "rs-plain"), str(workdir / "plain-export"), "--adapter-only"]) == 0
     plain_stored = json.loads((workdir / "plain-export" / "config.json").read_text())["acre"]["inference"]
     assert not {"scorer", "neighbors", "grow", "grow_shape"} & set(plain_stored)

@@ -119,7 +119,7 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     return LoadedCheckpoint(
         model=model.eval(), checkpoint=checkpoint, meta=meta, recipe=recipe, base_pointer=pointer,
         weights_from=origin, tokenizer_spec=prepare.get("tokenizer") or _data_tokenizer(recipe),
-        inference={**inference_defaults(trained_geometry(meta, recipe)), **trained_refill(recipe)},
+        inference=answers_with(trained_geometry(meta, recipe), recipe),
         scorer_state=scorer_state, scorer_spec=_learned_spec(recipe) if scorer_state else None,
     )
 
@@ -191,21 +191,16 @@ def _learned_spec(recipe: dict[str, Any]) -> str:
     return ScorerSettings.parse(spec + ",learned=1" if "learned" not in spec else spec).describe()
 
 
-def trained_refill(recipe: dict[str, Any]) -> dict[str, Any]:
-    """What a run trained in the refilled layout (``train.refill_sim``) answered with: its ``l``, W,
-    eta, scorer and selection rule (neighbours, grow), so the export answers in the layout the L1 weights learned (an export
-    flag or ``calibrate`` still overrides them). Empty for other runs."""
-    sim = (recipe.get("train") or {}).get("refill_sim") or {}
-    if not sim.get("enabled"):
-        return {}
-    from ..modeling.scorers import ScorerSettings
+def answers_with(plan: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    """What the export answers with: for a run trained in the refilled layout (``train.refill_sim``),
+    what its training simulated (``RefillSimSection.answers_with``, the trainer's own function); else
+    the inference defaults of its chunking. ``calibrate`` or an export flag may still override it."""
+    from ..train.recipe import RefillSimSection
 
-    out = {k: int(sim[k]) for k in ("interval", "working_window", "max_refill") if sim.get(k) is not None}
-    out["scorer"] = ScorerSettings.parse(sim.get("scorer") or "l1:layers=-1").describe()
-    out["neighbors"] = bool(sim.get("neighbors"))
-    out["grow"] = int(sim.get("grow") or 0)
-    out["grow_shape"] = str(sim.get("grow_shape") or "attention")
-    return out
+    sim = (recipe.get("train") or {}).get("refill_sim") or {}
+    if sim.get("enabled"):
+        return RefillSimSection.model_validate(sim).answers_with(plan)
+    return inference_defaults(plan)
 
 
 def trained_geometry(meta: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:

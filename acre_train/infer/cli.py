@@ -12,6 +12,7 @@ from typing import Any, Iterator, TextIO
 
 from ..measure import PeakMemory
 from ..modeling.geometry import add_geometry_flags
+from ..modeling.selection_words import add_selection_flags, selection_overrides
 from .placement import Placement, add_placement_arguments, describe
 
 
@@ -26,29 +27,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                        ("first_chunk", "stride", "interval"))
     g = parser.add_argument_group("refilling and decoding (per question)")
     add_geometry_flags(g, ("working_window", "max_refill"))
-    g.add_argument("--scorer", default=None, metavar="SPEC",
-                   help="how spans are ranked: l1 | l2 | bounds with options, e.g. 'l2:layers=3,heads=max,sinks=4' "
-                        "(default: the export's, written by 'acre-train calibrate'; else 'l1:layers=-1')")
-    g.add_argument("--scoring-layers", type=int, nargs="+", default=None, help="replace the scorer's layers")
-    g.add_argument("--neighbors", action=argparse.BooleanOptionalAction, default=None,
-                   help="each refilled span brings its better-scored neighbour (same budget k)")
-    g.add_argument("--grow", type=int, default=None, metavar="N",
-                   help="refill tokens, not whole spans (l2 scorers): the N best windows of l tokens grow toward their "
-                        "most-attended neighbouring tokens, same k*l budget; 0 = whole spans (default: the export's)")
-    # The choices are scorers.GROW_SHAPES, spelled out: printing --help imports no torch.
-    g.add_argument("--grow-shape", default=None, choices=("attention", "centered", "densest", "sentences"),
-                   help="how --grow regions take their tokens: toward the most-attended neighbour (attention), "
-                        "k*l/N tokens centred on each seed (centered), or the N windows of k*l/N tokens holding the "
-                        "most mass (densest), those windows moved onto whole sentences (sentences); default: the "
-                        "export's, else attention")
-    g.add_argument("--positions", default=None, choices=("compact", "text"),
-                   help="where the refilled cache is rotated: contiguous from 0 (compact, the layout stage 2 trains "
-                        "in) or at each token's place in the context (text: refilled spans keep their distances, "
-                        "the context must fit the base's window); default: the export's, else compact")
-    g.add_argument("--close-tail", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the context's unfinished last chunk once when the cache is built (a question then runs "
-                        "only its own tokens; the tail attends to the L1 memory, not the refilled spans). "
-                        "Default: the export's acre.inference.close_tail, else off")
+    add_selection_flags(g)  # --selection, --scorer, --grow ...: modeling/selection_words.py
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=None)
@@ -74,12 +53,9 @@ def make_engine(args: argparse.Namespace):
     if getattr(model, "hf_device_map", None):
         print(f"placed by the device map: {describe(model.hf_device_map)}")
     overrides = {k: getattr(args, k) for k in ("first_chunk", "stride", "interval", "working_window", "max_refill",
-                                                "max_new_tokens", "temperature", "top_p", "seed", "scoring_layers", "scorer",
-                                                "neighbors", "grow", "grow_shape", "positions")}
-    cache_settings, refill = inference_settings(data, overrides)
-    stored = bool(((data.get("acre") or {}).get("inference") or {}).get("close_tail", False))
-    close_tail = stored if args.close_tail is None else bool(args.close_tail)
-    return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill, close_tail=close_tail)
+                                                "max_new_tokens", "temperature", "top_p", "seed")}
+    cache_settings, refill = inference_settings(data, overrides | selection_overrides(args))
+    return AcreEngine(model, tokenizer, cache_settings=cache_settings, refill=refill)
 
 
 # --------------------------------------------------------------------------------------------- chat

@@ -144,10 +144,10 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     """The engine's settings: the export's stored geometry, then ``overrides`` (None = keep).
 
     ``config``: an export's ``config.json`` as a dict, or a loaded model's config. Overrides may also
-    carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``), ``scorer`` (a spec
-    string or mapping), ``scoring_layers`` (replaces the scorer's layers), ``neighbors``, ``grow``, ``grow_shape`` and ``positions``. The
-    export's ``inference.scorer`` / ``neighbors`` / ``grow`` / ``grow_shape`` (written by ``acre-train
-    calibrate``) come first.
+    carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) and the selection's
+    (``modeling/selection_words.py:FLAGS``): ``selection`` (a whole :class:`Selection`, replacing the
+    export's and its length bands), then ``scorer`` (a spec string or mapping), ``scoring_layers``,
+    ``neighbors``, ``grow``, ``grow_shape``, ``positions`` and ``close_tail`` over it (None = keep).
 
     >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
     >>> cache.first_chunk, cache.interval, refill.max_refill
@@ -161,12 +161,22 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     extra = {k: v for k, v in overrides.items()
              if k in ("max_new_tokens", "temperature", "top_p", "seed") and v is not None}
     selection, bands = stored_selection(inference_section(config))
-    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail")}
+    if overrides.get("selection") is not None:  # a whole selection replaces the export's, bands and all
+        selection, bands = Selection.parse(overrides["selection"]), None
+    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions")}
     selection = selection.with_overrides(asked)
     if overrides.get("scoring_layers") is not None:
         scorer = replace_(selection.scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
         selection = replace_(selection, scorer=scorer)
     if any(v is not None for v in asked.values()) or overrides.get("scoring_layers") is not None:
         bands = None  # a selection asked for on the command line holds at every length
+    if overrides.get("close_tail") is not None:  # a build-time choice: it holds in every band
+        close = bool(overrides["close_tail"])
+        selection = replace_(selection, close_tail=close)
+        if bands is not None:
+            bands = LengthBands(tuple((up, replace_(s, close_tail=close)) for up, s in bands.bands))
     refill = RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill, **extra)
-    return cache, refill.with_selection(selection).replace(bands=bands, max_refill=geometry.max_refill)
+    refill = refill.with_selection(selection)  # its eta where it names one
+    if overrides.get("max_refill") is not None:  # an explicit --max-refill wins over a selection's eta
+        refill = refill.replace(max_refill=geometry.max_refill)
+    return cache, refill.replace(bands=bands)

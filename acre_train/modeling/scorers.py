@@ -68,9 +68,7 @@ import torch
 
 from ..errors import key_hint
 
-KINDS = ("l1", "l2", "bounds")
-POOLS = ("mean", "max")
-QUERIES = ("all", "question")
+from .selection_words import GROW_SHAPES, KEEP_SINKS, KINDS, POOLS, QUERIES  # noqa: F401  (the choices, torch-free)
 
 
 @dataclass(frozen=True)
@@ -182,9 +180,6 @@ def _layers(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(x) for x in value)
-
-
-KEEP_SINKS = ("spans", "tokens", "first")
 
 
 def _keep(value: Any) -> str:
@@ -421,7 +416,6 @@ def select_spans(scores: torch.Tensor, k: int, *, neighbors: bool = False,
     return torch.nonzero(taken).flatten()
 
 
-GROW_SHAPES = ("attention", "centered", "densest", "sentences")
 
 
 def grow_tokens(mass: Sequence[torch.Tensor], *, num_tokens: int, budget: int, width: int, seeds: int,

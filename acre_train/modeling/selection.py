@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import key_hint
-from .scorers import GROW_SHAPES, ScorerSettings
+from .scorers import ScorerSettings
+from .selection_words import GROW_SHAPES, POSITIONS
 
-POSITIONS = ("compact", "text")  # compact: 0..P-1 (DESIGN.md §5); text: each token's index in the context
 SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail", "max_refill")
 
 

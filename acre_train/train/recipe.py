@@ -16,7 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -169,6 +169,25 @@ class RefillSimSection(_Section):
         from ..modeling.scorers import ScorerSettings
 
         return ScorerSettings.parse(value).describe()
+
+    def answers_with(self, plan: Mapping[str, Any]) -> dict[str, Any]:
+        """What a run trained in the refilled layout answers with, for data chunked by ``plan`` (its
+        manifest's ``first_chunk``/``stride``/``intervals``): the geometry inference defaults to for that
+        chunking, with this section's l, W and eta where it names them, and its selection. The trainer
+        simulates exactly this and ``acre-train export`` stores exactly this (``config.acre.inference``).
+
+        >>> RefillSimSection(enabled=True, max_refill=96).answers_with({"first_chunk": 64, "stride": 32})["max_refill"]
+        96
+        """
+        from ..modeling.geometry import WindowGeometry
+        from ..modeling.selection import Selection
+
+        geometry = WindowGeometry.from_mapping({k: plan[k] for k in ("first_chunk", "stride", "intervals") if k in plan})
+        out: dict[str, Any] = geometry.inference_dict()
+        out.update({k: getattr(self, k) for k in ("interval", "working_window", "max_refill") if getattr(self, k) is not None})
+        selection = Selection(scorer=self.scorer, neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape)
+        out.update({k: v for k, v in selection.to_dict().items() if k in ("scorer", "neighbors", "grow", "grow_shape")})
+        return out
 
 
 class DistillSection(_Section):

@@ -159,21 +159,17 @@ class Trainer(RunFolder):
                                 refill=bool(self.refill_weight), sim=self.sim, seed=r.seed)
 
     def sim_settings(self):
-        """The inference ``train.refill_sim`` simulates: the data's W0 and S, the export's default l, W and
-        eta for this data (``acre-train export`` stores the same), unless the section names them."""
+        """The inference ``train.refill_sim`` simulates: what the export of this run will answer with
+        (``RefillSimSection.answers_with``, which ``acre-train export`` stores too)."""
         from ..modeling.scorers import ScorerSettings
-        from ..modeling.geometry import WindowGeometry
         from .refill_sim import SimSettings
 
-        plan = self.manifest.get("plan") or {}
-        geometry = WindowGeometry.from_mapping({k: plan[k] for k in ("first_chunk", "stride", "intervals") if k in plan})
-        defaults = geometry.inference_dict()
         sim = self.recipe.train.refill_sim
-        pick = lambda key: getattr(sim, key) if getattr(sim, key) is not None else defaults[key]  # noqa: E731
-        return SimSettings(first_chunk=defaults["first_chunk"], stride=defaults["stride"], interval=pick("interval"),
-                           working_window=pick("working_window"), max_refill=pick("max_refill"),
-                           scorer=ScorerSettings.parse(sim.scorer), neighbors=sim.neighbors, grow=sim.grow,
-                           grow_shape=sim.grow_shape, k=sim.k,
+        answer = sim.answers_with(self.manifest.get("plan") or {})
+        return SimSettings(first_chunk=answer["first_chunk"], stride=answer["stride"], interval=answer["interval"],
+                           working_window=answer["working_window"], max_refill=answer["max_refill"],
+                           scorer=ScorerSettings.parse(answer["scorer"]), neighbors=answer["neighbors"],
+                           grow=answer["grow"], grow_shape=answer["grow_shape"], k=sim.k,
                            force_evidence=sim.force_evidence)
 
     def batches(self, epoch: int) -> list[np.ndarray]:

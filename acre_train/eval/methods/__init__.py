@@ -8,12 +8,16 @@ To add a row, write such a class and add it to ``METHODS``. ``acre``/``acre-l1``
 (an ACRE model without ACRE inputs is its base model).
 
 Specs on the command line: ``name`` or ``name:key=value:key=value``, e.g. ``truncated:budget=2048``,
-``infoflow:ratio=0.3:reorder=true``, ``cachefocus:allocation=sort``.
+``infoflow:ratio=0.3:reorder=true``, ``cachefocus:allocation=sort``. Rows are separated by commas; a
+comma that does not start a row's name belongs to the option before it, so the ``acre`` row takes a
+selection in its one spelling: ``full,acre:scorer=l2:layers=3,heads=max``, ``acre:selection=l2:layers=3
++grow=2,sentences eta=512`` (docs/selection.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 from .acre import Acre, AcreL1
@@ -46,6 +50,7 @@ def parse_method(spec: str) -> EvalMethod:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     cls = METHODS[name]
+    opts = cls.join_options(opts)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs = {}
@@ -65,8 +70,10 @@ def parse_method(spec: str) -> EvalMethod:
 
 
 def parse_methods(specs: str) -> list[EvalMethod]:
-    """Comma-separated specs -> methods (labels must be distinct)."""
-    methods = [parse_method(s) for s in specs.split(",") if s.strip()]
+    """Comma-separated specs -> methods (labels must be distinct). A comma splits rows only where a
+    method's name follows it; elsewhere it belongs to an option's value (a scorer's options)."""
+    names = "|".join(re.escape(n) for n in sorted(METHODS, key=len, reverse=True))
+    methods = [parse_method(s) for s in re.split(rf",\s*(?=(?:{names})\s*(?::|,|$))", specs.strip().strip(",")) if s.strip()]
     if not methods:
         raise ValueError("no methods given")
     labels = [m.label() for m in methods]

@@ -15,10 +15,13 @@ not to the refilled spans) so that a question runs only its own tokens.
 ``positions=text`` rotates the refilled cache at each token's index in the context instead of at
 ``0..P-1`` (refilled spans keep their distances in the text; ``infer/refill.py:POSITIONS``).
 
-The scorer options (``scorer``, ``layers``, ``heads``, ``sinks``, ``keep_sinks``, ``query``, ``neighbors``, ``grow``,
-``grow_shape``;
-modeling/scorers.py) replace the export's stored scorer, e.g. ``acre:scorer=l2:layers=3:heads=max:sinks=4``;
-without ``scorer`` the other options change the stored one.
+``selection=`` takes a whole selection in its one spelling (docs/selection.md; what ``--selection``
+takes) and runs to the end of the row: ``acre:selection=l2:layers=3,heads=max +grow=2,sentences eta=512``.
+``scorer=`` takes what ``--scorer`` takes, ``acre:scorer=l2:layers=3,heads=max,sinks=4`` (the older
+``scorer=l2:layers=3:heads=max`` reads the same). The single options (``layers``, ``heads``, ``sinks``,
+``keep_sinks``, ``query``, ``unscored``, ``neighbors``, ``grow``, ``grow_shape``, ``positions``) change the
+row's selection, or the export's stored one. A row that sets any of them answers with it at every
+length; one that sets none answers with the export's length bands.
 
 ``kv_attended`` counts what the first generated token attends to per layer: L1 entries, refilled raw
 tokens, and the open chunk (raw tail, question and their L1 tokens). ``refill_recall`` is the share
@@ -51,7 +54,8 @@ class Acre(EvalMethod):
     interval: int = 0
     working_window: int = 0
     max_refill: int = -1  # -1: the export's default; 0 disables refilling (acre-l1)
-    scorer: str = ""  # l1 | l2 | bounds ("": the export's)
+    selection: str = ""  # a whole selection, its one spelling ("": the export's)
+    scorer: str = ""  # a scorer spec as --scorer takes it, "l2:layers=3,heads=max" ("": the export's)
     layers: str = ""  # scoring layers, "7+9"
     heads: str = ""  # mean | max
     sinks: int = -1
@@ -64,6 +68,23 @@ class Acre(EvalMethod):
     close_tail: int = 0  # 1: the raw tail runs once at build time (AcreEngine(close_tail=True))
     positions: str = ""  # compact | text: where the refilled cache is rotated ("": the export's)
 
+    @classmethod
+    def join_options(cls, opts: list[str]) -> list[str]:
+        """``selection=`` takes the rest of the row; ``scorer=`` the scorer options after it."""
+        from ...modeling.scorers import ScorerSettings
+
+        scorer_keys = {f for f in ScorerSettings.__dataclass_fields__ if f != "kind"}
+        out: list[str] = []
+        for i, opt in enumerate(opts):
+            key = opt.partition("=")[0]
+            if key == "selection":
+                return out + [":".join(opts[i:])]
+            if out and out[-1].startswith("scorer=") and key in scorer_keys:
+                out[-1] += ("," if ":" in out[-1] else ":") + opt
+            else:
+                out.append(opt)
+        return out
+
     def check(self) -> None:
         for key in ("first_chunk", "stride", "interval", "working_window"):
             if getattr(self, key) < 0:
@@ -71,6 +92,10 @@ class Acre(EvalMethod):
         if self.max_refill < -1:
             raise ValueError(f"max_refill must be >= 0 (-1: the export's default), got {self.max_refill}")
         self.scorer_settings(None)  # a bad scorer option fails when the row is parsed
+        if self.selection:
+            from ...modeling.selection import Selection
+
+            Selection.parse(self.selection)
         from ...modeling.scorers import GROW_SHAPES
 
         if self.grow_shape and self.grow_shape not in GROW_SHAPES:
@@ -86,7 +111,7 @@ class Acre(EvalMethod):
 
         from ...modeling.scorers import ScorerSettings
 
-        base = ScorerSettings(kind=self.scorer) if self.scorer else (stored or ScorerSettings())
+        base = ScorerSettings.parse(self.scorer) if self.scorer else (stored or ScorerSettings())
         changes = {}
         if self.layers:
             changes["layers"] = ScorerSettings.parse(f"l1:layers={self.layers}").layers
@@ -103,7 +128,7 @@ class Acre(EvalMethod):
         return replace(base, **changes)
 
     def _sets_selection(self) -> bool:
-        return bool(self.scorer or self.layers or self.heads or self.keep_sinks or self.query or self.grow_shape
+        return bool(self.selection or self.scorer or self.layers or self.heads or self.keep_sinks or self.query or self.grow_shape
                     or self.positions or any(x >= 0 for x in (self.max_refill, self.sinks, self.unscored,
                                                                self.neighbors, self.grow)))
 
@@ -128,7 +153,7 @@ class Acre(EvalMethod):
 
         if not is_acre_model(model):
             raise ValueError(f"method {self.name!r} needs an ACRE model (an 'acre-train export' folder)")
-        cache_settings, refill = inference_settings(model.config, self.overrides())
+        cache_settings, refill = inference_settings(model.config, self.overrides() | {"selection": self.selection or None})
         neighbors, grow = pick_selection({"neighbors": refill.neighbors, "grow": refill.grow},
                                          bool(self.neighbors) if self.neighbors >= 0 else None,
                                          self.grow if self.grow >= 0 else None)

@@ -74,6 +74,12 @@ class EvalMethod:
     name: ClassVar[str] = ""
     needs_acre: ClassVar[bool] = False  # answers only with an ACRE model (an 'acre-train export' folder)
 
+    @classmethod
+    def join_options(cls, opts: list[str]) -> list[str]:
+        """The spec's ``key=value`` pieces (split at ``:``), regrouped where an option's value itself holds
+        ``:`` (a row whose options take a spelling of their own overrides this)."""
+        return opts
+
     def check(self) -> None:
         """Raise ``ValueError`` for option values that cannot work (called when the row is parsed)."""
 
