@@ -681,3 +681,28 @@ def test_sigterm_saves_the_last_finished_step_like_ctrl_c_and_exits_143(workdir,
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is the run's only
     out = capsys.readouterr()
     assert "interrupted: saved checkpoint-2" in out.out + out.err
+
+
+def test_ctrl_c_inside_a_save_keeps_that_step_its_checkpoint_and_its_metrics_line(workdir, monkeypatch):
+    """A step interrupted while its checkpoint is written is finished: it is saved again and its line is
+    written, and a resume continues with no gap and no repeat."""
+    from acre_train.train.run_folder import RunFolder
+
+    save = RunFolder.save
+    calls = []
+
+    def interrupted_once(self, step, log=None):
+        calls.append(step)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while checkpoint-2 is being written
+        return save(self, step, log)
+
+    monkeypatch.setattr(RunFolder, "save", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        run(recipe(workdir, "in-save", "checkpoint.every_steps=2"))
+    steps = lambda: [json.loads(x)["step"] for x in (workdir / "in-save" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert calls == [2, 2] and steps() == [1, 2]
+    assert (workdir / "in-save" / "latest").read_text().strip() == "checkpoint-2"
+    monkeypatch.setattr(RunFolder, "save", save)
+    run(recipe(workdir, "in-save", "checkpoint.every_steps=2", "checkpoint.resume_from_checkpoint=latest"))
+    assert steps() == [1, 2, 3, 4]

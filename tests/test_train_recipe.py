@@ -276,3 +276,17 @@ def test_data_from_another_tokenizer_is_refused_by_validate_and_train(tmp_path, 
         train(load_recipe(foreign[0], [*foreign[1:], "run_name=foreign"]))
     tiny_tokenizer().save_pretrained(folder)  # its own tokenizer again: accepted
     assert cli.main(["validate", *foreign]) == 0
+
+
+def test_validate_names_layers_the_model_lacks_a_bad_seed_and_unbounded_epochs(capsys):
+    """What training would stop on only after the model loaded (a refill layer the model lacks) or with an
+    unnamed error (a negative seed, epochs that overflow the step count) is named by validate."""
+    stage2 = ROOT / "recipes" / "tiny_stage2.yaml"
+    assert cli.main(["validate", str(stage2), "train.refill_loss.weight=0.5", "train.refill_loss.layers=[7]"]) == 2
+    assert "train.refill_loss.layers: layers [7] out of range for this 2-layer model" in capsys.readouterr().err
+    assert cli.main(["validate", str(stage2), "train.refill_sim.enabled=true", "train.refill_sim.scorer=l2:layers=-3"]) == 2
+    assert "train.refill_sim.scorer: layers [-3] out of range" in capsys.readouterr().err
+    assert cli.main(["validate", str(TINY), "seed=-1"]) == 2
+    assert "seed: Input should be greater than or equal to 0" in capsys.readouterr().err
+    assert cli.main(["validate", str(TINY), "train.epochs=1e308"]) == 2
+    assert "train.epochs: Input should be less than or equal to 1000000" in capsys.readouterr().err

@@ -215,7 +215,7 @@ class TrainSection(_Section):
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "cosine"
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     warmup_steps: int | None = Field(None, ge=0)
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, le=1_000_000)  # finite: the step count is epochs x steps per epoch
     max_steps: int | None = Field(None, ge=1)  # overrides epochs when set
     eval_every: int | None = Field(None, ge=1)  # held-out loss every N steps and at the end (needs data.eval_split)
     max_grad_norm: float | None = 1.0
@@ -256,7 +256,7 @@ class Recipe(_Section):
     output_root: str = "checkpoints"
     stage: Literal[1, 2] = 1
     mode: Literal["acre", "vanilla"] = "acre"  # vanilla: full fine-tune without ACRE (SFT-Vanilla ablation)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy's and torch's seeds are unsigned 32-bit
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)

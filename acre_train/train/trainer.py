@@ -308,6 +308,7 @@ class Trainer(RunFolder):
         tokens_run, time_run = 0, 0.0
         cached_epoch, epoch_plan = -1, []
         saved_step = start
+        unlogged: dict[str, Any] | None = None  # the finished step's metrics until its line is written
         try:
             for step in range(start + 1, stop + 1):
                 epoch, index = divmod(step - 1, self.steps_per_epoch)
@@ -323,7 +324,7 @@ class Trainer(RunFolder):
                                rank_gflops_per_s=1e3 * metrics["rank_tflop"] / elapsed,
                                step_seconds=elapsed, peak_memory_mib=memory.peak_mib)
                 result.losses.append(metrics["loss"])
-                result.steps = step
+                result.steps, unlogged = step, metrics
                 if r.train.eval_every and (step % r.train.eval_every == 0 or step == stop):
                     metrics["eval_loss"] = self.held_out_loss()
                 every = r.checkpoint.every_steps
@@ -334,11 +335,15 @@ class Trainer(RunFolder):
                     result.checkpoint_seconds.append(time.perf_counter() - began)
                     metrics["checkpoint_seconds"] = result.checkpoint_seconds[-1]
                 logger.log_step(step, metrics)
+                unlogged = None
         except KeyboardInterrupt:  # Ctrl-C, and SIGTERM (errors.Terminated)
             # The weights hold the last *finished* step (an interrupted step never reached the
             # optimizer): keep it. Distributed ranks may be anywhere, so only one process saves.
+            # A step stopped inside its save or held-out loss is finished: its line is written too.
+            if unlogged is not None and not self.info.distributed:
+                logger.log_step(result.steps, unlogged)
             if result.steps > saved_step and not self.info.distributed:
-                result.last_checkpoint = self.save(result.steps)
+                result.last_checkpoint = self.save(result.steps, log=dict(unlogged) if unlogged else None)
                 logger.message(f"interrupted: saved {result.last_checkpoint.name} (the last finished step); "
                                "continue with checkpoint.resume_from_checkpoint=latest")
             else:

@@ -21,6 +21,9 @@ def run(args: argparse.Namespace) -> int:
     world = args.world_size or world_size_from_env()
     recipe = load_recipe(args.recipe, args.overrides)
     problems = check_recipe(recipe, world)
+    layers = model_layers(recipe)
+    if layers:
+        problems += layer_problems(recipe, layers)
     if not problems:  # the data's tokenizer against the model (reads the base's config and tokenizer)
         from .vocabulary import check_vocabulary
 
@@ -70,6 +73,44 @@ def parameter_line(recipe) -> str:
     counts = count_parameters(model)
     groups = "  ".join(f"{k}={v:,}" for k, v in counts.items() if k not in ("trainable", "frozen", "total"))
     return f"trainable {counts['trainable']:,} of {counts['total']:,}" + (f" ({groups})" if groups else "")
+
+
+def model_layers(recipe) -> int | None:
+    """The model's layer count from its config alone (None where the config cannot be read here)."""
+    source = recipe.model.source
+    try:
+        if source.startswith("tiny:"):
+            from accelerate import init_empty_weights
+
+            from ..tiny import tiny_model
+
+            with init_empty_weights():
+                return tiny_model(source.partition(":")[2], **recipe.model.tiny_config).config.num_hidden_layers
+        from transformers import AutoConfig
+
+        from ..base.fetch import resolve_source
+
+        return AutoConfig.from_pretrained(resolve_source(source), trust_remote_code=False).num_hidden_layers
+    except (OSError, ValueError):
+        return None
+
+
+def layer_problems(recipe, num_layers: int) -> list[str]:
+    """The recipe's layer indices (refill loss, its scorer, the refill simulation's scorer) that a
+    ``num_layers``-layer model lacks; training would stop on them only after the model loaded."""
+    from ..modeling.scorers import ScorerSettings
+
+    t = recipe.train
+    named = []
+    if t.refill_loss.weight or t.refill_loss.params == "scorer":
+        named += [("train.refill_loss.layers", tuple(t.refill_loss.layers))]
+        if t.refill_loss.params == "scorer":
+            named += [("train.refill_loss.scorer", ScorerSettings.parse(t.refill_loss.scorer).layers)]
+    if t.refill_sim.enabled:
+        named += [("train.refill_sim.scorer", ScorerSettings.parse(t.refill_sim.scorer).layers)]
+    return [f"{key}: layers {list(layers)} out of range for this {num_layers}-layer model "
+            f"(0..{num_layers - 1}, or -1 for the last)" for key, layers in named
+            if any(not -num_layers <= x < num_layers for x in layers)]
 
 
 def needs(recipe) -> str:
