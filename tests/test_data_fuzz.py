@@ -97,3 +97,43 @@ def test_fuzz_truncations_and_byte_flips_never_lose_records_silently(tmp_path, s
             assert count == N, (trial, count)  # no report means nothing was lost
         else:
             assert count < N or any(e["reason"] != "truncated or corrupt compressed stream" for e in problems.examples)
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz", "a.jsonl.zst"])
+def test_a_hostile_line_is_one_bad_record_named_by_file_and_line(tmp_path, name, monkeypatch):
+    """A line over the size cap (skipped unread), JSON nested past the parser's depth, and a lone
+    surrogate escape (text no tokenizer takes) each cost their own line, reported there."""
+    from acre_train.data import readers
+
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 4096)
+    lines = _lines()
+    lines[10] = b'{"text": "' + b"x" * 10_000 + b'"}'
+    lines[20] = b'{"text": "a", "meta": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    lines[30] = b'{"text": "abc \\ud800 def"}'
+    count, problems = _read(_write(tmp_path / name, b"\n".join(lines) + b"\n"))
+    assert count == N - 3
+    assert [(e["line"], e["reason"]) for e in problems.examples] == [
+        (11, "line too long"), (21, "malformed JSON"), (31, "not valid Unicode")]
+
+
+def test_line_splitting_is_linear_and_keeps_every_byte(tmp_path):
+    """Lines come out whole across block boundaries; a newline-less file is one line, read in one pass."""
+    from acre_train.data.readers import _binary_lines
+
+    payload = b"".join(b"%d:" % i + b"y" * (i * 37 % 3000) + b"\n" for i in range(2000)) + b"tail"
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(payload)
+    assert list(_binary_lines(path)) == payload.split(b"\n")
+    path.write_bytes(b"z" * (8 << 20))
+    (only,) = list(_binary_lines(path))
+    assert only == b"z" * (8 << 20)
+
+
+def test_a_long_document_is_tokenized_in_pieces_to_the_same_ids(tmp_path):
+    from acre_train.data.tiny_tokenizer import tiny_tokenizer
+    from acre_train.data.tokenizer import BatchEncoder
+
+    text = "\n".join(f"line {i} holds some words, and more\n" + ("  indented\n" if i % 5 == 0 else "") for i in range(400))
+    whole = BatchEncoder(tiny_tokenizer(), piece_chars=1 << 30)([text, "short"])
+    pieces = BatchEncoder(tiny_tokenizer(), piece_chars=500)([text, "short"])
+    assert pieces == whole and len(whole[0]) > 1000

@@ -132,19 +132,41 @@ def _plain_blocks(path: Path, block: int = 1 << 20) -> Iterator[bytes]:
             yield data
 
 
-def _binary_lines(path: Path) -> Iterator[bytes]:
+MAX_LINE_BYTES = 64 << 20  # a longer line is one bad record: it is skipped unread, never held in memory
+
+
+class LineTooLong(bytes):
+    """Stands in for a line over :data:`MAX_LINE_BYTES`; its value is the line's length in bytes, as text."""
+
+
+def _binary_lines(path: Path, max_bytes: int | None = None) -> Iterator[bytes]:
     """Lines of a file as bytes (decompressing .gz/.zst); decoding is per line, so one bad byte
-    costs one line."""
+    costs one line. Linear in the file's size: each block is searched for newlines once, and a line
+    longer than ``max_bytes`` (default :data:`MAX_LINE_BYTES`) comes out as a :class:`LineTooLong`
+    without being kept."""
+    limit = MAX_LINE_BYTES if max_bytes is None else max_bytes
     suffix = _suffix(path)
     blocks = _zstd_blocks(path) if suffix.endswith(".zst") else _gzip_blocks(path) if suffix.endswith(".gz") \
         else _plain_blocks(path)
-    pending = b""
+    parts: list[bytes] = []  # the current line's pieces so far
+    size, dropped = 0, False  # its length; dropped: over the limit, pieces no longer kept
     for data in blocks:
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        yield from lines
-    if pending:
-        yield pending
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            size += end - start
+            if dropped or size > limit:
+                yield LineTooLong(str(size).encode())
+            else:
+                parts.append(data[start:end])
+                yield b"".join(parts)
+            parts, size, dropped, start = [], 0, False, end + 1
+        size += len(data) - start
+        if size > limit:
+            dropped, parts = True, []
+        elif start < len(data):
+            parts.append(data[start:])
+    if size:
+        yield LineTooLong(str(size).encode()) if dropped or size > limit else b"".join(parts)
 
 
 def _read_jsonl(path: Path, problems: InputProblems) -> Iterator[Record]:
@@ -162,6 +184,10 @@ def _read_jsonl(path: Path, problems: InputProblems) -> Iterator[Record]:
                             f"{exc}; the records after line {lineno} are lost")
             return
         lineno += 1
+        if isinstance(raw, LineTooLong):
+            problems.report(source, lineno, "line too long",
+                            f"{int(raw):,} bytes, over the {MAX_LINE_BYTES >> 20} MiB a record may hold; split the document")
+            continue
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -174,10 +200,24 @@ def _read_jsonl(path: Path, problems: InputProblems) -> Iterator[Record]:
         except json.JSONDecodeError as exc:
             problems.report(source, lineno, "malformed JSON", exc.msg + f" at column {exc.colno}")
             continue
+        except RecursionError:
+            problems.report(source, lineno, "malformed JSON", "nested too deeply to read")
+            continue
         if not isinstance(data, dict):
             problems.report(source, lineno, "not a JSON object", type(data).__name__)
             continue
+        if b"\\u" in raw and _has_lone_surrogate(data):  # "\ud800" escapes decode to text no tokenizer takes
+            problems.report(source, lineno, "not valid Unicode", "a lone surrogate escape (\\ud800-\\udfff)")
+            continue
         yield Record(data, source, lineno)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def read_jsonl_strict(path: str | os.PathLike) -> Iterator[Record]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import weakref
 from typing import Any
@@ -146,6 +147,32 @@ def open_tokenizer(settings: Any) -> tuple[Any, int, dict[str, Any]]:
     return tok, l1_id, tokenizer_facts(tok, settings.tokenizer)
 
 
+PIECE_CHARS = 1 << 20  # characters of a document tokenized at once
+_LINE_END = re.compile(r"[^\W_](?=\n)")
+
+
+def split_at_line_ends(text: str, piece_chars: int) -> list[str]:
+    r"""``text`` in pieces of about ``piece_chars`` characters, each cut between a letter or digit and the
+    newline after it. No byte-level BPE pre-tokenizer (GPT-2's, Llama 3's, Qwen's) joins a word to a
+    newline after it, so the pieces' tokens, concatenated, are the whole text's; a text with no such
+    place within twice the piece size is cut there (a token at that cut may differ, as it may at every
+    cut of a SentencePiece tokenizer's text).
+
+    >>> split_at_line_ends("ab\ncd\n\nef", 3)
+    ['ab\ncd', '\n\nef']
+    """
+    if len(text) <= piece_chars:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > piece_chars:
+        found = _LINE_END.search(text, start + piece_chars - 1, start + 2 * piece_chars)
+        cut = found.start() + 1 if found else start + 2 * piece_chars
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return [p for p in out if p]
+
+
 class BatchEncoder:
     """Encodes batches of texts to token ids (no special tokens) inside ``datasets.map`` workers.
 
@@ -159,8 +186,10 @@ class BatchEncoder:
     >>> BatchEncoder(tokenizer)(["some text", "more"])  # [[...], [...]]
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, piece_chars: int = PIECE_CHARS):
         from tokenizers import Tokenizer
+
+        self.piece_chars = piece_chars
 
         rust = getattr(tokenizer, "_tokenizer", None)
         if isinstance(rust, Tokenizer):
@@ -172,7 +201,22 @@ class BatchEncoder:
             self.rust, self.tokenizer = None, tokenizer
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
+        pieces, owners = [], []
+        for i, text in enumerate(texts):  # a long document goes in pieces: memory bounded by the piece
+            for piece in split_at_line_ends(text, self.piece_chars):
+                pieces.append(piece)
+                owners.append(i)
+        ids = self._encode(pieces)
+        if len(pieces) == len(texts):
+            return ids
+        out: list[list[int]] = [[] for _ in texts]
+        for owner, piece_ids in zip(owners, ids):
+            out[owner].extend(piece_ids)
+        return out
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
         if self.rust is not None:
             encode = getattr(self.rust, "encode_batch_fast", self.rust.encode_batch)  # (tokenizers < 0.21: no fast)
             return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
