@@ -123,3 +123,19 @@ def test_a_model_folder_with_custom_code_is_never_run_even_when_stdin_says_yes(t
     monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\ny\n"))
     model, tokenizer, _ = load_for_inference(folder, log=lambda *_: None)
     assert not marker.exists() and type(model).__name__ == "Qwen2ForCausalLM" and tokenizer is not None
+
+
+@pytest.mark.parametrize("verb,args", [("chat", ["--context", "ctx.txt"]), ("generate", ["--input", "in.jsonl", "--output", "o"]),
+                                       ("calibrate", ["--data", "niah_multikey"]), ("eval", ["--tasks", "niah_multikey"])])
+def test_a_device_this_machine_lacks_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch, verb, args):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ctx.txt").write_text("a context")
+    (tmp_path / "in.jsonl").write_text('{"context": "a", "question": "b"}\n')
+    model = ["--model", str(tmp_path)] if verb == "eval" else [str(tmp_path)]
+    assert main([verb, *model, *args, "--device", "cuda"]) == 2
+    one_line(capsys, verb, "--device cuda: no CUDA device here", "use --device cpu")
+    assert main([verb, *model, *args, "--device", "gpu"]) == 2
+    one_line(capsys, verb, "--device 'gpu' is not a device")

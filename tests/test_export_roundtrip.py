@@ -343,6 +343,24 @@ def test_an_export_whose_config_names_more_layers_than_its_weights_is_refused(ki
         load_export(folder)
 
 
+def test_an_export_whose_config_implies_other_shapes_is_refused_naming_one(exports, tmp_path):
+    """An edited width (intermediate_size) met transformers' re-initialisation report and a traceback; the
+    headers' shapes are compared with the config's on the meta device first."""
+    import shutil
+
+    from acre_train.files import DamagedFileError
+    from acre_train.infer.load import load_export
+
+    _, full, _, _ = exports
+    folder = tmp_path / "wide"
+    shutil.copytree(full, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DamagedFileError, match=r"do not fit its config.json \(model.layers.0.mlp.down_proj.weight"):
+        load_export(folder)
+
+
 def test_chat_refuses_a_context_longer_than_the_export_serves_before_reading_it_all(exports, tmp_path, capsys):
     from acre_train.infer import AcreEngine, CacheSettings, ContextTooLongError, RefillSettings
     from acre_train.infer.load import load_export

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..infer.placement import Placement, add_placement_arguments
+from ..infer.placement import Placement, add_placement_arguments, requested_device
 from ..modeling.scorers import GROW_SHAPES, KEEP_SINKS, QUERIES, ScorerSettings
 from ..infer.settings import selection_suffix
 from ..modeling.selection import LengthBands, Selection
@@ -326,10 +326,10 @@ def _run(args: argparse.Namespace) -> int:
     from .tasks import resolve_tasks
 
     export = Path(args.export)
+    device = str(requested_device(args.device))  # a device this machine lacks: said before anything else
     check_export_dir(export)
     kinds = [k.strip() for k in args.scorers.split(",") if k.strip()]
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, data = load_export(export, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None,
                                          placement=Placement.from_args(args))
     if tokenizer is None:

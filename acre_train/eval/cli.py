@@ -57,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
         require(module, "eval")
 
     from .harness import EvalConfig, evaluate
+    from ..infer.placement import requested_device
     from .methods import parse_methods
     from .tasks import resolve_tasks, save_jsonl
 
     methods = parse_methods(args.methods)  # a bad spec is a one-line error (errors.py), before any model loads
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = requested_device(args.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     from ..base.fetch import resolve_source

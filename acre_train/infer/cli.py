@@ -13,7 +13,7 @@ from typing import Any, Iterator, TextIO
 from ..measure import PeakMemory
 from ..modeling.geometry import add_geometry_flags
 from ..modeling.selection_words import add_selection_flags, selection_overrides
-from .placement import Placement, add_placement_arguments, describe
+from .placement import Placement, add_placement_arguments, describe, requested_device
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def make_engine(args: argparse.Namespace):
     from .load import load_for_inference
     from .engine import AcreEngine
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(requested_device(args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer, data = load_for_inference(args.export, device=device, dtype=dtype,
                                                 placement=Placement.from_args(args))

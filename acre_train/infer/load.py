@@ -80,15 +80,16 @@ def check_layer_count(path: str | Path, config: dict) -> None:
     index = folder / "model.safetensors.index.json"
     files = [folder / ADAPTER_WEIGHTS] if config.get("adapter_only") else [folder / "model.safetensors"]
     if not config.get("adapter_only") and index.is_file():
-        keys = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
+        keys, shapes = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})), {}
     else:
-        keys = set()
+        keys, shapes = set(), {}
         for file in files:
             if not file.is_file():
                 raise DamagedFileError(f"{path}: {file.name} is missing; the export was copied in part: export it again")
             try:
                 with safe_open(str(file), framework="pt") as f:
                     keys |= set(f.keys())
+                    shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
             except Exception as exc:  # safetensors' own error types for a garbled header
                 why = str(exc).splitlines()[0]
                 if config.get("adapter_only"):
@@ -101,6 +102,24 @@ def check_layer_count(path: str | Path, config: dict) -> None:
         raise DamagedFileError(f"{path}: config.json names {named} layers but the weights hold {len(layers)} "
                                f"(layers {min(layers)}..{max(layers)}); an edited or mismatched config would build "
                                "the missing layers with random weights: export it again")
+    if shapes and not config.get("adapter_only"):
+        _check_shapes(folder, shapes)
+
+
+def _check_shapes(folder: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The weights' shapes (from the file's header) against those its ``config.json`` implies, compared on
+    the meta device before anything is allocated (transformers would re-initialise the mismatched ones
+    and stop with a report and a traceback)."""
+    from ..modeling.hf import AcreConfig, AcreForCausalLM
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in AcreForCausalLM(AcreConfig.from_pretrained(str(folder))).state_dict().items()}
+    wrong = [(k, shapes[k], expected[k]) for k in sorted(shapes) if k in expected and shapes[k] != expected[k]]
+    if wrong:
+        name, held, implied = wrong[0]
+        more = f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""
+        raise DamagedFileError(f"{folder}: its weights do not fit its config.json ({name}: {list(held)} in the "
+                               f"weights, {list(implied)} by the config{more}); was config.json edited? export it again")
 
 
 def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -79,6 +79,26 @@ def parse_max_memory(text: str | None) -> dict[int | str, int | str] | None:
     return out
 
 
+def requested_device(name: str | None) -> torch.device:
+    """``--device``: ``None``/``auto`` is CUDA where there is one, else the CPU; a device this machine
+    lacks is a one-line error before anything loads (torch's own is an ``AssertionError`` mid-load)."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device (cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "it sees no GPU"
+            raise ValueError(f"--device {name}: no CUDA device here ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: no Apple GPU (MPS) here; use --device cpu")
+    return device
+
+
 def execution_device(model: nn.Module) -> torch.device:
     """Where a model's inputs go: the device its embedding computes on.
 
