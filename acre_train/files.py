@@ -112,6 +112,11 @@ def disk_errors(what: str) -> Iterator[None]:
             raise DiskFullError(errno.ENOSPC, f"the disk is full while writing {what}; free space and run "
                                 "again (nothing half-written was kept)") from exc
         raise
+    except RuntimeError as exc:  # torch.save's stream writer reports a full disk this way, without an errno
+        if "write failed" not in str(exc) and "failed writing" not in str(exc):
+            raise
+        raise DiskFullError(errno.ENOSPC, f"writing {what} failed (torch: {str(exc).splitlines()[-1].strip()[:120]}); "
+                            "the disk is likely full: free space and run again (nothing half-written was kept)") from exc
 
 
 @contextmanager

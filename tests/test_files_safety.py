@@ -130,6 +130,16 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkey
         ckpt.save_checkpoint(tmp_path, 2, **common)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "latest"]
     assert ckpt.latest_checkpoint(tmp_path) == first
+    monkeypatch.undo()
+
+    def stream_writer_full(*_args, **_kwargs):  # what torch.save raises on a full disk: no errno
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(ckpt.torch, "save", stream_writer_full)
+    with pytest.raises(DiskFullError, match="writing .*checkpoint-2.* failed .*file write failed.*disk is likely full"):
+        ckpt.save_checkpoint(tmp_path, 2, **common)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "latest"]
 
 
 def test_a_full_disk_during_preparation_or_export_leaves_nothing(tmp_path, monkeypatch):
