@@ -224,6 +224,22 @@ def test_overwrite_never_deletes_a_folder_whose_manifest_is_not_ours(tmp_path):
     assert (app / "index.html").read_text() == "<html></html>"
 
 
+def test_overwrite_of_a_prepared_dataset_keeps_a_user_s_own_file_by_refusing(tmp_path):
+    """A dataset folder of ours with a file its user put there: --overwrite would delete that file with the
+    rest, so it is refused naming it; without the file the same preparation replaces the dataset."""
+    from acre_train.data import DataError, Stage1Settings, prepare_stage1
+
+    settings = dict(builtin=True, output=tmp_path / "data", token_budget=2000, min_length=64, max_length=128,
+                    first_chunk=32, stride=16)
+    prepare_stage1(Stage1Settings(**settings), log=lambda *_: None)
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"holds files acre-train did not write \(notes.txt\)"):
+        prepare_stage1(Stage1Settings(**settings, overwrite=True, seed=1), log=lambda *_: None)
+    assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
+    (tmp_path / "data" / "notes.txt").unlink()
+    prepare_stage1(Stage1Settings(**settings, overwrite=True, seed=1), log=lambda *_: None)
+
+
 def test_the_folder_writer_publishes_whole_or_nothing_and_can_keep_what_another_process_made(tmp_path):
     from acre_train.files import atomic_dir
 

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -118,6 +119,11 @@ def _atomic_output(path: Path, overwrite: bool) -> Iterator[Path]:
     if path.exists() and not is_prepared_dataset(path):
         raise DataError(f"{path} exists and is not a prepared dataset (no manifest.json): --overwrite only "
                         "replaces what acre-train prepared; choose another output (data.path)")
+    foreign = foreign_files(path)
+    if foreign:  # a user's own file kept inside a dataset folder goes with --overwrite: refuse instead
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise DataError(f"{path} holds files acre-train did not write ({shown}); --overwrite would delete them: "
+                        "move them out, or choose another output (data.path)")
     with atomic_dir(path, f"the prepared dataset {path}") as tmp:  # clears what a killed preparation left
         yield tmp
         if read_manifest(tmp) is None:
@@ -125,6 +131,16 @@ def _atomic_output(path: Path, overwrite: bool) -> Iterator[Path]:
 
 
 TOOL = "acre-train"
+
+
+_OURS = re.compile(r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|cache-[\w.-]+\.arrow")
+
+
+def foreign_files(path: Path) -> list[str]:
+    """Names in a prepared dataset's folder that no preparation writes (sorted)."""
+    if not Path(path).is_dir():
+        return []
+    return sorted(p.name for p in Path(path).iterdir() if p.name != MANIFEST and not _OURS.fullmatch(p.name))
 
 
 def is_prepared_dataset(path: Path) -> bool:
