@@ -68,9 +68,9 @@ def cell_rows(name: str) -> list[dict]:
 
 def table() -> str:
     """One line per (cell, row): score with its 95 % interval, answer contained, KV share, times, memory."""
-    lines = ["| cell | row | score (95 % CI) | answer contained % | answer words | KV share % | "
+    lines = ["| cell | row | score (95 % CI) | F1 | answer contained % | answer words | KV share % | "
              "build s / context | s / question | memory added GiB | n |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in CELLS:
         if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
             continue
@@ -81,14 +81,46 @@ def table() -> str:
             mine = [r for r in rows if r["method"] == method]
             mean, lo, hi = _interval([100.0 * r["score"] for r in mine])
             contained = 100.0 * sum(r["substring"] for r in mine) / len(mine)
+            f1 = 100.0 * sum(r["qa_f1"] for r in mine) / len(mine)
             words = sorted(len(r["prediction"].split()) for r in mine)[len(mine) // 2]
             share = 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in mine) / len(mine)
             builds = {r.get("context_index"): r.get("prepare_s") or 0.0 for r in mine}
             build = sum(builds.values()) / max(1, len(builds))
             answer = sum(r.get("answer_s") or 0.0 for r in mine) / len(mine)
             memory = max((r.get("memory_added_bytes") or 0) for r in mine) / 2**30
-            lines.append(f"| {name} | `{method}` | {metric} {mean:.1f} ({lo:.1f}–{hi:.1f}) | {contained:.1f} | {words} | "
+            lines.append(f"| {name} | `{method}` | {metric} {mean:.1f} ({lo:.1f}–{hi:.1f}) | {f1:.1f} | {contained:.1f} | {words} | "
                          f"{share:.1f} | {build:.0f} | {answer:.1f} | {memory:.2f} | {len(mine)} |")
+    return "\n".join(lines) + "\n"
+
+
+def findings() -> str:
+    """Per cell, where the ACRE row's score goes: the evidence back whole (recall), the score when it is
+    back and when it is not, the evidence's median rank, and the row against full attention."""
+    import statistics
+
+    lines = ["| cell | ACRE / full attention | evidence back whole % | score when back (n) | score when missed (n) | "
+             "median rank of the evidence | wrong when back: another question's answer |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in CELLS:
+        if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
+            continue
+        rows = cell_rows(name)
+        acre = [r for r in rows if r["method"] == "acre"]
+        full = [r for r in rows if r["method"] == "full"]
+        if not acre:
+            continue
+        back = [r for r in acre if (r.get("refill_coverage") or 0.0) >= 0.999]
+        missed = [r for r in acre if (r.get("refill_coverage") or 0.0) < 0.999]
+        mean = lambda rs: 100.0 * sum(r["score"] for r in rs) / len(rs) if rs else float("nan")  # noqa: E731
+        ranks = [r["refill_rank"] for r in acre if r.get("refill_rank") is not None]
+        ratio = f"{mean(acre) / mean(full):.2f}×" if full and mean(full) else "–"
+        golds: dict = {}
+        for r in rows:
+            golds.setdefault(r.get("context_index"), set()).update(r["answers"])
+        wrong = [r for r in back if not r["substring"]]
+        other = sum(1 for r in wrong if any(a in r["prediction"] for a in golds[r.get("context_index")] - set(r["answers"])))
+        lines.append(f"| {name} | {ratio} | {100.0 * len(back) / len(acre):.1f} | {mean(back):.1f} ({len(back)}) | "
+                     f"{mean(missed):.1f} ({len(missed)}) | {statistics.median(ranks) if ranks else '–'} | "
+                     f"{other} of {len(wrong)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,7 +167,7 @@ def page() -> str:
     head = (REPO / "studies" / "long" / "page.md").read_text(encoding="utf-8")
     commands = "\n".join(f"    {' '.join(command(n))}" for n in CELLS
                          if (DOCS / "cells" / n / "predictions.jsonl").is_file())
-    return (head.replace("{table}", table()).replace("{ledger}", ledger_lines())
+    return (head.replace("{table}", table()).replace("{findings}", findings()).replace("{ledger}", ledger_lines())
             .replace("{commands}", commands or "    (none yet)"))
 
 
