@@ -17,7 +17,7 @@ from acre_train.infer import (
     RefillSettings,
     assemble,
     num_selected,
-    select_entries,
+    select_spans,
 )
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
@@ -293,8 +293,8 @@ def test_k_follows_the_formula_at_its_edges(m, l, W, eta, k):
 
 def test_selection_takes_top_scores_then_sorts_by_position():
     scores = torch.tensor([0.1, 0.5, 0.2, 0.9, 0.3])
-    assert select_entries(scores, 2).tolist() == [1, 3]
-    assert select_entries(scores, 0).tolist() == []
+    assert select_spans(scores, 2).tolist() == [1, 3]
+    assert select_spans(scores, 0).tolist() == []
 
 
 def test_answer_refills_the_top_scored_spans():

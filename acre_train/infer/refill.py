@@ -10,8 +10,11 @@ import torch
 from torch import nn
 
 from .cache import BiLayerCache
-from ..modeling.scorers import select_spans, span_tokens
 from ..modeling.rope import Rope
+from ..modeling.scorers import span_tokens
+from ..modeling.selection_words import POSITIONS  # compact: slots 0..P-1, the layout stage 2 trains in (DESIGN.md
+# §5); text: each token at its index in the interleaved context (full attention's distances; the context
+# must then fit the base's native window)
 
 
 def num_selected(num_l1: int, interval: int, working_window: int, max_refill: int) -> int:
@@ -27,17 +30,6 @@ def num_selected(num_l1: int, interval: int, working_window: int, max_refill: in
     k = math.floor(min(working_window - num_l1, max_refill) / interval)
     return max(0, min(num_l1, k))
 
-
-def select_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest scores, sorted by position (text order)."""
-    return select_spans(scores, k)
-
-
-# Where the refilled cache is rotated. ``compact``: slots 0..P-1 (DESIGN.md §5, the layout stage 2 trains in).
-# ``text``: every token at its index in the whole interleaved context, so refilled spans keep the distances
-# they have in the text (full attention's), and the open chunk continues after the whole context. It gives
-# up ACRE's positional compression: the context must fit the base's native window.
-from ..modeling.selection import POSITIONS  # noqa: E402  (one list of choices, on the model floor)
 
 
 @dataclass

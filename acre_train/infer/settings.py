@@ -10,21 +10,16 @@ from ..modeling.scorers import ScorerSettings
 from ..modeling.selection import SELECTION_KEYS, LengthBands, Selection, stored_selection
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
-_PAPER = WindowGeometry()
-DEFAULT_FIRST_CHUNK = _PAPER.first_chunk
-DEFAULT_STRIDE = _PAPER.stride
-DEFAULT_INTERVAL = _PAPER.interval
-DEFAULT_WORKING_WINDOW = _PAPER.working_window
-DEFAULT_MAX_REFILL = _PAPER.max_refill
+_PAPER = WindowGeometry()  # the defaults where an export stores none
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """What a built cache depends on (besides the model): part of the cache fingerprint."""
 
-    first_chunk: int = DEFAULT_FIRST_CHUNK
-    stride: int = DEFAULT_STRIDE
-    interval: int = DEFAULT_INTERVAL
+    first_chunk: int = _PAPER.first_chunk
+    stride: int = _PAPER.stride
+    interval: int = _PAPER.interval
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -57,8 +52,8 @@ class RefillSettings:
     the engine answers with the band of the cache's length (:meth:`for_length`) instead of the fields above.
     """
 
-    working_window: int = DEFAULT_WORKING_WINDOW
-    max_refill: int = DEFAULT_MAX_REFILL
+    working_window: int = _PAPER.working_window
+    max_refill: int = _PAPER.max_refill
     scorer: ScorerSettings = field(default_factory=ScorerSettings)
     neighbors: bool = False
     grow: int = 0

@@ -13,7 +13,7 @@ inference defaults (interval 16, W = 32K, η = 4096) with the recipe chunking ``
 not to the refilled spans) so that a question runs only its own tokens.
 
 ``positions=text`` rotates the refilled cache at each token's index in the context instead of at
-``0..P-1`` (refilled spans keep their distances in the text; ``infer/refill.py:POSITIONS``).
+``0..P-1`` (refilled spans keep their distances in the text; ``modeling/selection_words.py:POSITIONS``).
 
 ``selection=`` takes a whole selection in its one spelling (docs/selection.md; what ``--selection``
 takes) and runs to the end of the row: ``acre:selection=l2:layers=3,heads=max +grow=2,sentences eta=512``.
