@@ -476,3 +476,28 @@ def test_keep_sinks_tokens_keeps_the_first_span_and_only_the_sink_tokens_of_late
 def test_a_selection_that_cannot_be_made_is_refused_in_one_line(kw, message):
     with pytest.raises(ValueError, match=message):
         RefillSettings(**kw)
+
+
+def test_a_new_scorer_is_one_class_and_one_line(monkeypatch):
+    """The registry is the one place a scorer kind lives: a kind registered here parses, validates its
+    options, and the engine refills with it (this one ranks the latest spans first)."""
+    from acre_train.modeling import scorers
+
+    monkeypatch.setattr(scorers, "SCORER_KINDS", dict(scorers.SCORER_KINDS))
+
+    @scorers.scorer_kind
+    class Latest(scorers.ScorerKind):
+        name, frame, reads_raw_keys = "latest", "memory", False
+
+        def rank(self, model, cache, queries, scorer, layers, qmap):
+            return torch.arange(cache.num_l1, dtype=torch.float32)
+
+    assert ScorerSettings.parse("latest:layers=0").describe() == "latest:layers=0"
+    with pytest.raises(ValueError, match="sinks/keep_sinks apply to the raw-key scorers, not to latest"):
+        ScorerSettings.parse("latest:layers=0,sinks=4")
+    engine = AcreEngine(_model("llama"), cache_settings=SETTINGS,
+                        refill=RefillSettings(working_window=1000, max_refill=3 * 4, scorer="latest:layers=0",
+                                              max_new_tokens=2))
+    answer = engine.answer(engine.build(_ids(70, 3)), _ids(5, 4))
+    m = answer.num_l1
+    assert answer.k == 3 and answer.selected == list(range(m - 3, m))

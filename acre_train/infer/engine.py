@@ -142,10 +142,8 @@ class AcreEngine:
             self._close_tail(cache)
         if self.tokenizer is not None:  # what refill.grow_shape=sentences snaps to (ids past L2: the next token's space)
             cache.sentence_ends = sentence_ends(self.tokenizer, ids, self._pieces)[: cache.num_l2]
-        scorer = self.refill.scorer
-        if scorer.kind == "bounds":  # the boxes are part of the cache: made once, saved with it
-            for layer in scorer.resolved_layers(self.model.config.num_hidden_layers):
-                cache.key_box(self.model, layer, scorer.sinks)
+        scorer = self.refill.scorer  # what it keeps in the cache (bounds: the key boxes) is made once, saved with it
+        scorer.spec.prepare_cache(self.model, cache, scorer)
         return cache
 
     def read_context(self, path, piece_chars: int = 1 << 20) -> str:

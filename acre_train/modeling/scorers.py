@@ -62,13 +62,13 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import torch
 
 from ..errors import key_hint
 
-from .selection_words import GROW_SHAPES, KEEP_SINKS, KINDS, POOLS, QUERIES  # noqa: F401  (the choices, torch-free)
+from .selection_words import GROW_SHAPES, KEEP_SINKS, POOLS, QUERIES  # noqa: F401  (the choices, torch-free)
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ class ScorerSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
         object.__setattr__(self, "keep_sinks", _keep(self.keep_sinks))
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown scorer {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.kind not in SCORER_KINDS:
+            raise ValueError(f"unknown scorer {self.kind!r}; choose one of {', '.join(SCORER_KINDS)}")
         if self.heads not in POOLS:
             raise ValueError(f"scorer heads must be one of {', '.join(POOLS)}, got {self.heads!r}")
         if not self.layers:
@@ -97,17 +97,23 @@ class ScorerSettings:
             raise ValueError(f"scorer sinks must be >= 0, got {self.sinks}")
         if self.query not in QUERIES:
             raise ValueError(f"scorer query must be one of {', '.join(QUERIES)}, got {self.query!r}")
-        if self.kind == "l1" and (self.sinks or self.keep_sinks):
-            raise ValueError("sinks/keep_sinks apply to the raw-key scorers (l2, bounds), not to l1")
+        if not self.spec.reads_raw_keys and (self.sinks or self.keep_sinks):
+            raise ValueError(f"sinks/keep_sinks apply to the raw-key scorers, not to {self.kind}")
         if self.unscored < 0:
             raise ValueError(f"scorer unscored must be >= 0, got {self.unscored}")
-        if self.unscored and self.kind != "l2":
-            raise ValueError(f"unscored applies to the l2 scorer's per-token mass, not to {self.kind}")
+        if self.unscored and not self.spec.ranks_tokens:
+            raise ValueError(f"unscored applies to the l2 scorer's per-token mass (a kind that ranks tokens), "
+                             f"not to {self.kind}")
         if self.unscored and not (self.keep_sinks and self.sinks):
             # Held out at 2K SQuAD, unscored=32 alone refilled the whole evidence for 96 % of the questions
             # and answered 17.9 F1 where it did (56.3 with the sink tokens kept): no region ever covered them.
             raise ValueError("unscored=N stops the context's first tokens from placing a refill, so the attention "
                              "sinks decoding needs would never come back: add sinks=N and keep_sinks=tokens (or 1)")
+
+    @property
+    def spec(self) -> "ScorerKind":
+        """What this scorer's kind computes and reads (:data:`SCORER_KINDS`)."""
+        return SCORER_KINDS[self.kind]
 
     # ------------------------------------------------------------------------------ spellings
 
@@ -669,14 +675,7 @@ def rank_spans(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -
     if missing:
         raise ValueError(f"the scoring pass captured no queries at layers {missing}")
     qmap = _query_map(model, scorer, layers) if scorer.learned else None
-    if scorer.kind == "l1":
-        qs = [queries.learned(model, qmap, x, "memory") if qmap else queries.by_layer[x].float() for x in layers]
-        return score_l1(qs, [cache.l1_keys_rot[x] for x in layers], scorer.heads)
-    if scorer.kind == "l2":
-        bounds = cache.span_bounds.to(torch.long)
-        return segment_scores(question_mass(model, cache, queries, scorer), bounds[:-1], bounds[1:], scorer.heads)
-    qs = [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
-    return score_bounds(qs, [cache.key_box(model, x, scorer.sinks) for x in layers], scorer.heads)
+    return scorer.spec.rank(model, cache, queries, scorer, layers, qmap)
 
 
 def question_mass(model, cache, queries: QuestionQueries, scorer: ScorerSettings) -> list[torch.Tensor]:
@@ -710,8 +709,8 @@ def choose_refill(model, cache, queries: QuestionQueries, scorer: ScorerSettings
     if not grow:
         scores = rank_spans(model, cache, queries, scorer)
         return scores, span_tokens(cache.span_bounds, select_spans(scores, k, neighbors=neighbors, forced=forced))
-    if scorer.kind != "l2":
-        raise ValueError(f"refill grow needs the l2 scorer's per-token mass; {scorer.describe()} ranks whole spans")
+    if not scorer.spec.ranks_tokens:
+        raise ValueError(f"refill grow needs a per-token mass (the l2 scorer's); {scorer.describe()} ranks whole spans")
     mass = question_mass(model, cache, queries, scorer)
     bounds = cache.span_bounds.to(torch.long)
     scores = segment_scores(mass, bounds[:-1], bounds[1:], scorer.heads)
@@ -748,3 +747,109 @@ def forced_spans(cache, scorer: ScorerSettings) -> torch.Tensor | None:
         first[:1] = True
         return first
     return spans_with(cache.sink_tokens(scorer.sinks), cache.span_bounds)
+
+
+# ------------------------------------------------------------------------------ the scorer kinds
+
+class ScoringCache(Protocol):
+    """What a scorer may read from a cache (``infer/cache.py:BiLayerCache`` is one)."""
+
+    span_bounds: torch.Tensor  # [m + 1] token offsets of the spans
+    l1_keys_rot: Sequence[torch.Tensor]  # per layer [H_kv, m, D], rotated at their memory positions
+    num_l1: int
+    sentence_ends: torch.Tensor | None
+
+    def sink_tokens(self, sinks: int) -> torch.Tensor: ...  # [N] bool: the first tokens of the context and chunks
+
+    def l2_keys_rotated(self, model, layer: int) -> torch.Tensor: ...  # [H_kv, N, D] at text positions
+
+    def key_box(self, model, layer: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # per span min, max
+
+
+class ScorerKind:
+    """One kind of scorer (``ScorerSettings.kind``). A new one is a subclass with a ``name`` and
+    :meth:`rank` (inference, over a cache) and :meth:`score` (training, over the captured keys), and one
+    ``@scorer_kind`` line; the reference it must equal goes in ``tests/test_infer_scorers.py``.
+
+    ``frame``: where the question's queries are rotated for it (``memory``: after the L1 entries, for L1
+    keys; ``text``: after the whole context, for raw keys). ``reads_raw_keys``: its score reads the raw
+    (L2) keys, so attention sinks (``sinks``, ``keep_sinks``) apply. ``ranks_tokens``: it has a per-token
+    mass (:func:`question_mass`), so it can refill grown token regions and leave tokens ``unscored``.
+    """
+
+    name: ClassVar[str] = ""
+    frame: ClassVar[str] = "text"
+    reads_raw_keys: ClassVar[bool] = True
+    ranks_tokens: ClassVar[bool] = False
+
+    def rank(self, model, cache: ScoringCache, queries: QuestionQueries, scorer: ScorerSettings,
+             layers: list[int], qmap) -> torch.Tensor:
+        """One score per span of ``cache`` (``[m]``)."""
+        raise NotImplementedError
+
+    def score(self, queries: list[torch.Tensor], keys: list[torch.Tensor], bounds: torch.Tensor, heads: str,
+              ignore: torch.Tensor | None) -> torch.Tensor:
+        """Training's score per span (``train/refill_loss.py``): ``queries``/``keys`` per layer in the
+        kind's frame (L1 keys for ``memory``, the context's raw keys for ``text``, ``bounds`` their spans)."""
+        raise NotImplementedError
+
+    def prepare_cache(self, model, cache: ScoringCache, scorer: ScorerSettings) -> None:
+        """What the cache keeps for this scorer, made once at build time (and saved with it)."""
+
+    def _text_queries(self, model, queries: QuestionQueries, layers: list[int], qmap) -> list[torch.Tensor]:
+        return [queries.learned(model, qmap, x, "text") if qmap else queries.at_text(model, x) for x in layers]
+
+
+SCORER_KINDS: dict[str, ScorerKind] = {}
+
+
+def scorer_kind(cls: type[ScorerKind]) -> type[ScorerKind]:
+    """Register a :class:`ScorerKind` under its ``name``."""
+    SCORER_KINDS[cls.name] = cls()
+    return cls
+
+
+@scorer_kind
+class L1Keys(ScorerKind):
+    """The paper's: the question's attention over the L1 keys."""
+
+    name, frame, reads_raw_keys = "l1", "memory", False
+
+    def rank(self, model, cache, queries, scorer, layers, qmap):
+        qs = [queries.learned(model, qmap, x, "memory") if qmap else queries.by_layer[x].float() for x in layers]
+        return score_l1(qs, [cache.l1_keys_rot[x] for x in layers], scorer.heads)
+
+    def score(self, queries, keys, bounds, heads, ignore):
+        return score_l1(queries, keys, heads)
+
+
+@scorer_kind
+class RawKeys(ScorerKind):
+    """The question's attention over the raw keys, summed per span."""
+
+    name, ranks_tokens = "l2", True
+
+    def rank(self, model, cache, queries, scorer, layers, qmap):
+        bounds = cache.span_bounds.to(torch.long)
+        return segment_scores(question_mass(model, cache, queries, scorer), bounds[:-1], bounds[1:], scorer.heads)
+
+    def score(self, queries, keys, bounds, heads, ignore):
+        return score_l2(queries, keys, bounds, heads, ignore)
+
+
+@scorer_kind
+class KeyBoxes(ScorerKind):
+    """Quest-style: the upper bound of the question's logit over each span's min/max key box."""
+
+    name = "bounds"
+
+    def rank(self, model, cache, queries, scorer, layers, qmap):
+        qs = self._text_queries(model, queries, layers, qmap)
+        return score_bounds(qs, [cache.key_box(model, x, scorer.sinks) for x in layers], scorer.heads)
+
+    def score(self, queries, keys, bounds, heads, ignore):
+        return score_bounds(queries, [key_bounds(k, bounds, ignore) for k in keys], heads)
+
+    def prepare_cache(self, model, cache, scorer):
+        for layer in scorer.resolved_layers(model.config.num_hidden_layers):
+            cache.key_box(model, layer, scorer.sinks)

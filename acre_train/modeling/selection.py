@@ -58,7 +58,7 @@ class Selection:
             raise ValueError(f"grow must be >= 0 (0: whole spans), got {self.grow}")
         if self.grow and self.neighbors:
             raise ValueError("choose neighbors (whole spans) or grow (tokens), not both")
-        if self.grow and self.scorer.kind != "l2":
+        if self.grow and not self.scorer.spec.ranks_tokens:
             raise ValueError(f"grow refills tokens by the l2 scorer's per-token mass; the scorer "
                              f"{self.scorer.describe()} ranks whole spans (use an l2 scorer, or grow=0)")
         if self.positions not in POSITIONS:

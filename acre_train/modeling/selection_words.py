@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-KINDS = ("l1", "l2", "bounds")  # the scorer kinds (modeling/scorers.py)
 POOLS = ("mean", "max")  # how a scorer pools query heads
 QUERIES = ("all", "question")  # which tokens after the context a scorer pools over
 KEEP_SINKS = ("spans", "tokens", "first")  # what of the context's attention sinks is always refilled

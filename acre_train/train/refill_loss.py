@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..modeling.scorers import ScorerSettings, key_bounds, score_bounds, score_entries, score_l1, score_l2
+from ..modeling.scorers import ScorerSettings, score_entries
 from ..modeling.rope import Rope
 
 # Per-token masks of a stage-2 row: question queries, scored entries, their targets, the L2 context
@@ -167,22 +167,18 @@ def learned_scores(model: nn.Module, capture: QueryKeyCapture, b: int, batch: di
     for layer in scorer.resolved_layers(model.config.num_hidden_layers):
         q, k = (t[b].detach() for t in capture.seen[layer])
         mapped = qmap(layer, rope.unrotate(q.index_select(1, q_rows).float(), q_pos))
-        if scorer.kind == "l1":
+        if scorer.spec.frame == "memory":
             queries.append(rope.rotate(mapped, q_pos))
             keys.append(rope.rotate(k.index_select(1, e_rows).float(), batch["memory_positions"][b].index_select(0, e_rows)))
         else:
             queries.append(rope.rotate(mapped, text.index_select(0, q_rows)))
             keys.append(rope.rotate(k.index_select(1, c_rows).float(), text.index_select(0, c_rows)))
-    if scorer.kind == "l1":
-        return score_l1(queries, keys, scorer.heads)
     # Span j: the context tokens between entry j-1 and entry j (an entry owns the raw tokens before it).
     bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.searchsorted(c_rows, e_rows)]).cpu()
     ignore = None
     if scorer.sinks:
         ignore = (batch["refill_in_chunk"][b].index_select(0, c_rows) < scorer.sinks).cpu()
-    if scorer.kind == "l2":
-        return score_l2(queries, keys, bounds, scorer.heads, ignore)
-    return score_bounds(queries, [key_bounds(k, bounds, ignore) for k in keys], scorer.heads)
+    return scorer.spec.score(queries, keys, bounds, scorer.heads, ignore)
 
 
 def learned_loss_sum(model: nn.Module, capture: QueryKeyCapture, batch: dict[str, torch.Tensor],
