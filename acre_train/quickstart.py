@@ -185,7 +185,7 @@ def shipped_adapter_export(out_dir: Path, adapter: str = SHIPPED_ADAPTER) -> Pat
     scorer = None
     if card.get("learned_scorer"):  # the card's learned scorer (modeling/learned_scorer.py) travels with the export
         from .modeling.learned_scorer import QueryMap
-        from .modeling.scorers import ScorerSettings
+        from .modeling.scorer_spec import ScorerSettings
 
         path = files("acre_train.resources").joinpath(f"adapters/{card['learned_scorer']['file']}")
         scorer = (QueryMap.load(str(path)), ScorerSettings.parse(card["inference"]["scorer"]).describe())

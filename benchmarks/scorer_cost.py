@@ -1,6 +1,6 @@
 """What each refill scorer and each selection option costs per question, beside the memory it holds.
 
-The scorers read what the cache holds (modeling/scorers.py): ``l1`` the L1 keys on the device, ``l2``
+The scorers read what the cache holds (modeling/ranking.py): ``l1`` the L1 keys on the device, ``l2``
 one layer's raw keys per scoring layer (gathered from CPU memory on a GPU node, read in place here),
 ``bounds`` the per-span key boxes built with the cache. This times ``rank_spans`` alone, with random
 queries and keys in the head shapes of real models (the question's scoring pass, which every scorer
@@ -72,7 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from acre_train.modeling.scorers import QuestionQueries, ScorerSettings, rank_spans
+    from acre_train.modeling.ranking import QuestionQueries, rank_spans
+    from acre_train.modeling.scorer_spec import ScorerSettings
 
     heads, kv_heads, dim, n_layers = SHAPES[args.shape]
     model = _model(heads, kv_heads, dim, n_layers)
@@ -123,7 +124,8 @@ OPTIONS = {
 
 def selection_table(args, model, layers: tuple[int, ...]) -> None:
     """ms per question of ``choose_refill`` for every option in :data:`OPTIONS`."""
-    from acre_train.modeling.scorers import QuestionQueries, ScorerSettings, choose_refill
+    from acre_train.modeling.ranking import QuestionQueries, choose_refill
+    from acre_train.modeling.scorer_spec import ScorerSettings
 
     heads, kv_heads, dim, n_layers = SHAPES[args.shape]
     names = list(OPTIONS)

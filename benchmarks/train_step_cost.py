@@ -67,7 +67,7 @@ def _row(length: int, vocab: int, geometry: tuple[int, int, int], questions: int
 def run_arm(arm: str, length: int, base: str | None, repeat: int, geometry: tuple[int, int, int]) -> dict:
     import torch
 
-    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.scorer_spec import ScorerSettings
     from acre_train.modeling.batch import pad_batch
     from acre_train.train.batching import PLAN_COLUMNS, Collator
     from acre_train.train.model import LossModule

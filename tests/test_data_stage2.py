@@ -262,7 +262,7 @@ def test_packed_questions_equal_their_single_conversations(tmp_path):
     from acre_train.data.errors import InputProblems
     from acre_train.data.stage2 import iter_examples, pack_rows, stage2_row
     from acre_train.data.tokenizer import open_tokenizer
-    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.scorer_spec import ScorerSettings
     from acre_train.modeling import attach_acre
     from acre_train.tiny import tiny_model
     from acre_train.train.refill_sim import SimSettings, collate_sim, sim_loss_sum, sim_sample

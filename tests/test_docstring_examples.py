@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["acre_train.modeling.scorers", "acre_train.infer.refill", "acre_train.infer.settings",
+MODULES = ["acre_train.modeling.scorer_spec", "acre_train.modeling.scoring", "acre_train.modeling.span_choice", "acre_train.infer.refill", "acre_train.infer.settings",
            "acre_train.eval.calibrate", "acre_train.eval.methods.acre"]
 
 

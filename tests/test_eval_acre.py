@@ -257,7 +257,7 @@ def test_calibrate_sweeps_unscored_only_where_the_sinks_are_kept(tmp_path, capsy
 
 def test_calibrate_writes_a_setting_that_chat_and_eval_then_use(tmp_path, capsys):
     from acre_train.cli import main
-    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.scorer_spec import ScorerSettings
 
     export, tok = _tiny_export(tmp_path)
     dev = tmp_path / "dev.jsonl"
@@ -332,7 +332,7 @@ def test_calibrate_at_several_lengths_stores_a_band_per_length_that_the_engine_p
     from acre_train.cli import main
     from acre_train.infer import AcreEngine
     from acre_train.infer.settings import inference_settings
-    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.scorer_spec import ScorerSettings
     from acre_train.modeling.selection import Selection
 
     export, tok = _tiny_export(tmp_path, positions="text")

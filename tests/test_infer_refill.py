@@ -21,7 +21,7 @@ from acre_train.infer import (
 )
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
 from acre_train.modeling.batch import pad_batch
-from acre_train.modeling.scorers import span_tokens
+from acre_train.modeling.span_choice import span_tokens
 from acre_train.tiny import tiny_model
 
 from helpers import perturbed_acre_model as _model, random_ids as _ids

@@ -1,4 +1,4 @@
-"""Refill scorers (modeling/scorers.py) against per-token, per-head loops written from their definitions."""
+"""Refill scorers (modeling/scorer_spec.py, scoring.py, span_choice.py, ranking.py) against per-token, per-head loops written from their definitions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 
 from acre_train.data.prompt import PromptFormat
 from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings
-from acre_train.modeling.scorers import ScorerSettings, grow_tokens, select_spans, sink_mask
+from acre_train.modeling.scorer_spec import ScorerSettings
+from acre_train.modeling.scoring import sink_mask
+from acre_train.modeling.span_choice import grow_tokens, select_spans
 from acre_train.modeling import acre_forward, interleave
 from acre_train.modeling.batch import pad_batch
 
@@ -414,7 +416,7 @@ def test_sentence_ends_come_from_the_tokens_text_and_travel_with_a_saved_cache(t
 
 def test_the_cli_offers_every_grow_shape():
     from acre_train.cli import build_parser_for
-    from acre_train.modeling.scorers import GROW_SHAPES
+    from acre_train.modeling.selection_words import GROW_SHAPES
 
     for shape in GROW_SHAPES:
         argv = ["chat", "export", "--context", "c.txt", "--grow-shape", shape]
@@ -441,7 +443,7 @@ def test_the_engine_grows_the_reference_tokens_and_reports_them(shape):
 
 
 def test_keep_sinks_tokens_keeps_the_first_span_and_only_the_sink_tokens_of_later_chunks():
-    from acre_train.modeling.scorers import question_mass
+    from acre_train.modeling.ranking import question_mass
 
     model = _model("llama")
     scorer = ScorerSettings.parse("l2:layers=1,heads=max,sinks=1,keep_sinks=tokens")
@@ -481,12 +483,12 @@ def test_a_selection_that_cannot_be_made_is_refused_in_one_line(kw, message):
 def test_a_new_scorer_is_one_class_and_one_line(monkeypatch):
     """The registry is the one place a scorer kind lives: a kind registered here parses, validates its
     options, and the engine refills with it (this one ranks the latest spans first)."""
-    from acre_train.modeling import scorers
+    from acre_train.modeling import scorer_spec
 
-    monkeypatch.setattr(scorers, "SCORER_KINDS", dict(scorers.SCORER_KINDS))
+    monkeypatch.setattr(scorer_spec, "SCORER_KINDS", dict(scorer_spec.scorer_kinds()))
 
-    @scorers.scorer_kind
-    class Latest(scorers.ScorerKind):
+    @scorer_spec.scorer_kind
+    class Latest(scorer_spec.ScorerKind):
         name, frame, reads_raw_keys = "latest", "memory", False
 
         def rank(self, model, cache, queries, scorer, layers, qmap):

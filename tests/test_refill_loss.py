@@ -169,7 +169,7 @@ def _random_map(model, layers, seed=0):
 def test_learned_training_score_equals_inference_score(arch, spec):
     """The learned scorer ranks the same in the training loss as ``rank_spans`` does at inference."""
     from acre_train.modeling.learned_scorer import attach_query_map
-    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.scorer_spec import ScorerSettings
     from acre_train.train.refill_loss import learned_scores
 
     model = _model(arch)
@@ -188,7 +188,7 @@ def test_learned_training_score_equals_inference_score(arch, spec):
 
 
 def test_learned_scorer_trains_only_itself_and_leaves_the_answer_loss_bit_identical():
-    from acre_train.modeling.scorers import ScorerSettings
+    from acre_train.modeling.scorer_spec import ScorerSettings
 
     ctx, question, answer = _ids(42, 4), _ids(5, 5), _ids(3, 6)
     row = _row(ctx, question, answer, evidence=[20, 21])

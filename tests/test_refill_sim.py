@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from acre_train.infer import AcreEngine
-from acre_train.modeling.scorers import ScorerSettings, spans_with
+from acre_train.modeling.scorer_spec import ScorerSettings
+from acre_train.modeling.scoring import spans_with
 from acre_train.modeling import acre_parameters, interleave
 from acre_train.train.refill_sim import SimSettings, collate_sim, sim_forward, sim_sample, unpad
 

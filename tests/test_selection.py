@@ -8,7 +8,9 @@ import torch
 
 from acre_train.infer import AcreEngine, CacheSettings, RefillSettings
 from acre_train.infer.settings import inference_settings
-from acre_train.modeling.scorers import ScorerSettings, grow_tokens, question_mass
+from acre_train.modeling.ranking import question_mass
+from acre_train.modeling.scorer_spec import ScorerSettings
+from acre_train.modeling.span_choice import grow_tokens
 from acre_train.modeling.selection import LengthBands, Selection
 
 from helpers import perturbed_acre_model as _model, random_ids as _ids

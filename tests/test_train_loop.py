@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acre_train.modeling.scorers import ScorerSettings
+from acre_train.modeling.scorer_spec import ScorerSettings
 from acre_train.modeling import acre_parameters, attach_acre
 from acre_train.tiny import tiny_model
 from acre_train.train import CheckpointMismatch, load_recipe

@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import torch
 
 from ..infer.placement import Placement, add_placement_arguments, requested_device
-from ..modeling.scorers import GROW_SHAPES, KEEP_SINKS, QUERIES, ScorerSettings
+from ..modeling.scorer_spec import ScorerSettings
+from ..modeling.selection_words import GROW_SHAPES, KEEP_SINKS, QUERIES
 from ..infer.settings import selection_suffix
 from ..modeling.selection import LengthBands, Selection
 
@@ -116,7 +117,7 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
     from tqdm.auto import tqdm
 
     from ..infer import AcreEngine
-    from ..modeling.scorers import choose_refill
+    from ..modeling.ranking import choose_refill
     from ..infer.settings import inference_settings
     from .harness import group_by_context
     from .methods.acre import evidence_token_ranges, evidence_visibility

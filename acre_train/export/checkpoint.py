@@ -185,7 +185,7 @@ def load_vanilla_model(path: str | Path, *, dtype: torch.dtype | None = None) ->
 
 def _learned_spec(recipe: dict[str, Any]) -> str:
     """The scorer a learned map was trained for (``train.refill_loss.scorer``), marked learned."""
-    from ..modeling.scorers import ScorerSettings
+    from ..modeling.scorer_spec import ScorerSettings
 
     spec = ((recipe.get("train") or {}).get("refill_loss") or {}).get("scorer") or "l2:layers=-1,heads=max"
     return ScorerSettings.parse(spec + ",learned=1" if "learned" not in spec else spec).describe()

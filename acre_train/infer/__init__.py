@@ -4,7 +4,8 @@ from .cache import BiLayerCache, CacheMismatchError, ContextTooLongError, build_
 from .engine import AcreEngine, Answer
 from ..data.prompt import QUESTION_TEMPLATE, PromptFormat
 from .refill import assemble, num_selected
-from ..modeling.scorers import score_entries, select_spans
+from ..modeling.scoring import score_entries
+from ..modeling.span_choice import select_spans
 from .settings import CacheSettings, RefillSettings
 
 __all__ = [

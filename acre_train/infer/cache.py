@@ -12,7 +12,7 @@ Layout (batch size 1, every tensor per layer stacked on dim 0):
 * **Tail**: the token ids of the unfinished last chunk; they are re-run with every question over its
   refilled cache, which continues that open chunk. Their KV over the L1 memory alone (``tail_keys``,
   ``tail_values``) is kept too: every question's scoring pass starts from it.
-* **Key boxes** (for the ``bounds`` scorer, modeling/scorers.py): per scoring layer, the per-span min
+* **Key boxes** (for the ``bounds`` scorer, modeling/ranking.py): per scoring layer, the per-span min
   and max of the raw keys rotated at their text positions (``[H_kv, m, D]`` each, on the device),
   made on first use or by ``AcreEngine.build`` and saved with the cache.
 """
@@ -110,13 +110,13 @@ class BiLayerCache:
 
     def sink_tokens(self, sinks: int) -> torch.Tensor:
         """``[N2]`` bool: the first ``sinks`` tokens of the context and of every chunk."""
-        from ..modeling.scorers import sink_mask
+        from ..modeling.scoring import sink_mask
 
         return sink_mask(self.num_l2, self.settings.first_chunk, self.settings.stride, sinks)
 
     def key_box(self, model: nn.Module, layer: int, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``bounds`` scorer's per-span key box at ``layer`` (sink tokens left out), made once."""
-        from ..modeling.scorers import key_bounds
+        from ..modeling.scoring import key_bounds
 
         name = f"{layer}:{sinks}"
         if name not in self.boxes:

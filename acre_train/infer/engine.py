@@ -25,7 +25,10 @@ from .placement import execution_device
 from .refill import assemble, num_selected
 from ..modeling.rope import Rope
 from ..modeling.sdpa import grouped_kv_sdpa
-from ..modeling.scorers import QuestionQueries, ScorerSettings, choose_refill, rank_spans, span_tokens, spans_with
+from ..modeling.ranking import QuestionQueries, choose_refill, rank_spans
+from ..modeling.scorer_spec import ScorerSettings
+from ..modeling.scoring import spans_with
+from ..modeling.span_choice import span_tokens
 from .sentences import sentence_ends
 from ..modeling.selection import SELECTION_KEYS
 from .settings import CacheSettings, RefillSettings

@@ -11,7 +11,7 @@ from torch import nn
 
 from .cache import BiLayerCache
 from ..modeling.rope import Rope
-from ..modeling.scorers import span_tokens
+from ..modeling.span_choice import span_tokens
 from ..modeling.selection_words import POSITIONS  # compact: slots 0..P-1, the layout stage 2 trains in (DESIGN.md
 # §5); text: each token at its index in the interleaved context (full attention's distances; the context
 # must then fit the base's native window)

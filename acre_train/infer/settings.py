@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
-from ..modeling.scorers import ScorerSettings
+from ..modeling.scorer_spec import ScorerSettings
 from ..modeling.selection import SELECTION_KEYS, LengthBands, Selection, stored_selection
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
@@ -39,7 +39,7 @@ class RefillSettings:
     ``neighbors``: each chosen span brings its better-scored neighbour, within the same ``k``.
     ``grow``: refill tokens, not whole spans, within the same ``k * l`` tokens: the ``grow`` best
     windows of ``l`` tokens seed the refill and grow toward their most-attended neighbouring tokens
-    (``modeling/scorers.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
+    (``modeling/span_choice.py:grow_tokens``; needs the ``l2`` scorer). 0: whole spans.
     ``grow_shape``: ``attention`` (grow toward the most-attended neighbouring token), ``centered``
     (each seed brings ``k * l / grow`` tokens centred on it) or ``densest`` (``grow`` disjoint windows of
     ``k * l / grow`` tokens holding the most mass) or ``sentences`` (those windows moved onto whole

@@ -1,6 +1,6 @@
 """The refill selection as one typed value: what a question refills, and how it is spelled everywhere.
 
-A :class:`Selection` is the scorer (``modeling/scorers.py:ScorerSettings``) plus the rule that turns
+A :class:`Selection` is the scorer (``modeling/scorer_spec.py:ScorerSettings``) plus the rule that turns
 its scores into refilled tokens: whole spans (optionally each with its better neighbour) or ``grow``
 token regions of a ``grow_shape``; where the refilled cache is rotated (``positions``); whether the
 context's raw tail is closed at build time (``close_tail``); and optionally the refill's length
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import key_hint
-from .scorers import ScorerSettings
+from .scorer_spec import ScorerSettings
 from .selection_words import GROW_SHAPES, POSITIONS
 
 SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail", "max_refill")

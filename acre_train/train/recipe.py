@@ -135,7 +135,7 @@ class RefillLossSection(_Section):
     @field_validator("scorer")
     @classmethod
     def _scorer_spec(cls, value: str) -> str:
-        from ..modeling.scorers import ScorerSettings
+        from ..modeling.scorer_spec import ScorerSettings
 
         scorer = ScorerSettings.parse(value)  # a misspelt option fails here, with a suggestion
         if scorer.unscored or scorer.query != "all":  # the loss scores spans from the training pass alone
@@ -166,7 +166,7 @@ class RefillSimSection(_Section):
     @field_validator("scorer")
     @classmethod
     def _scorer_spec(cls, value: str) -> str:
-        from ..modeling.scorers import ScorerSettings
+        from ..modeling.scorer_spec import ScorerSettings
 
         return ScorerSettings.parse(value).describe()
 

@@ -3,7 +3,7 @@
 Refilling helps only if the question's attention over the L1 entries ranks the span holding the
 evidence near the top; plain stage 2 hopes the answer loss shapes that ranking. This loss trains it
 directly. For every sample that records its evidence (``evidence`` and ``question`` columns of a
-stage-2 dataset), it computes the refill score exactly as inference does (``modeling.scorers.score_entries``:
+stage-2 dataset), it computes the refill score exactly as inference does (``modeling.scoring.score_entries``:
 softmax over the L1 entries of question-query · L1-key / sqrt(d), mean over heads, question tokens and
 scoring layers) and adds ``-log`` of the score mass on the entries whose spans hold evidence.
 
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..modeling.scorers import ScorerSettings, score_entries
+from ..modeling.scorer_spec import ScorerSettings
+from ..modeling.scoring import score_entries
 from ..modeling.rope import Rope
 
 # Per-token masks of a stage-2 row: question queries, scored entries, their targets, the L2 context

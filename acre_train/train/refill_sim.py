@@ -34,7 +34,10 @@ from torch import nn
 
 from ..infer.cache import BiLayerCache, finished_chunks, span_layout
 from ..infer.refill import refill_layout
-from ..modeling.scorers import ScorerSettings, choose_refill, span_tokens, spans_with
+from ..modeling.ranking import choose_refill
+from ..modeling.scorer_spec import ScorerSettings
+from ..modeling.scoring import spans_with
+from ..modeling.span_choice import span_tokens
 from ..infer.settings import CacheSettings, RefillSettings
 from ..modeling.interleave import IGNORE_INDEX, interleave
 from ..modeling.rope import Rope

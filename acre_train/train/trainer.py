@@ -161,7 +161,7 @@ class Trainer(RunFolder):
     def sim_settings(self):
         """The inference ``train.refill_sim`` simulates: what the export of this run will answer with
         (``RefillSimSection.answers_with``, which ``acre-train export`` stores too)."""
-        from ..modeling.scorers import ScorerSettings
+        from ..modeling.scorer_spec import ScorerSettings
         from .refill_sim import SimSettings
 
         sim = self.recipe.train.refill_sim
@@ -203,7 +203,7 @@ class Trainer(RunFolder):
         refill = t.refill_loss
         settings = None
         if self.refill_weight:
-            from ..modeling.scorers import ScorerSettings
+            from ..modeling.scorer_spec import ScorerSettings
 
             settings = {"layers": refill.layers, "temperature": refill.temperature, "params": refill.params,
                         "scorer": ScorerSettings.parse(refill.scorer), "rank": refill.rank,

@@ -98,7 +98,7 @@ def model_layers(recipe) -> int | None:
 def layer_problems(recipe, num_layers: int) -> list[str]:
     """The recipe's layer indices (refill loss, its scorer, the refill simulation's scorer) that a
     ``num_layers``-layer model lacks; training would stop on them only after the model loaded."""
-    from ..modeling.scorers import ScorerSettings
+    from ..modeling.scorer_spec import ScorerSettings
 
     t = recipe.train
     named = []

@@ -8,7 +8,7 @@ made the root's ``stage2-sim-long`` export::
 
 The 2K SQuAD cell's calibrated setting (``l2:layers=7+9,heads=max,sinks=4,keep_sinks=1,query=question
 +grow=1,sentences``) brings the whole evidence back for 85 of the 100 dev questions and 87.5 % of the
-held-out ones. ``dump`` runs the product's own selection (``modeling/scorers.py:choose_refill``) on the
+held-out ones. ``dump`` runs the product's own selection (``modeling/ranking.py:choose_refill``) on the
 *dev* questions ``calibrate`` uses (SQuAD training articles, one question per context, seed 1000; never
 the evaluation's) and keeps what it was given: the per-token mass, the tokens taken before any region
 (kept sinks), the sentence ends, the evidence and the product's own choice. ``compare`` checks that the
@@ -36,7 +36,7 @@ EXPORT = "stage2-sim-long"
 
 
 def dump(root: Path, out: Path, count: int = 100) -> None:
-    import acre_train.modeling.scorers as scorers
+    import acre_train.modeling.ranking as ranking
     from acre_train.eval.methods.acre import evidence_token_ranges
     from acre_train.eval.prompt import prepare_example
     from acre_train.eval.tasks import resolve_tasks
@@ -50,13 +50,13 @@ def dump(root: Path, out: Path, count: int = 100) -> None:
     scorer = refill.scorer
     layers = scorer.resolved_layers(model.config.num_hidden_layers)
     seen: dict = {}
-    product_grow = scorers.grow_tokens
+    product_grow = ranking.grow_tokens
 
     def capture(mass, **kw):  # what the product's selection is given, kept as it was given
         seen.update(mass=[m.cpu() for m in mass], **kw)
         return product_grow(mass, **kw)
 
-    scorers.grow_tokens = capture
+    ranking.grow_tokens = capture
     examples = resolve_tasks("squad", tokenizer, 2048, count, DEV_SEED, squad_path=root / "squad-train.json")
     rows = []
     for ex in examples:
@@ -68,7 +68,7 @@ def dump(root: Path, out: Path, count: int = 100) -> None:
         if not evidence or not 0 < k < cache.num_l1:
             continue
         queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
-        _, chosen = scorers.choose_refill(model, cache, queries, scorer, k, grow=1, grow_shape="sentences")
+        _, chosen = ranking.choose_refill(model, cache, queries, scorer, k, grow=1, grow_shape="sentences")
         rows.append({"mass": [m.numpy().astype(np.float32) for m in seen["mass"]],
                      "taken": seen["taken"].numpy().copy(), "budget": seen["budget"], "width": seen["width"],
                      "ends": seen["sentence_ends"].numpy(), "chosen": chosen.numpy(), "evidence": np.array(evidence),
@@ -83,13 +83,13 @@ def dump(root: Path, out: Path, count: int = 100) -> None:
 
 def seg(mass, starts, stops) -> np.ndarray:
     """The product's pooled mass of each segment (max over heads of the segment's sum, as the scorer pools)."""
-    from acre_train.modeling.scorers import segment_scores
+    from acre_train.modeling.scoring import segment_scores
 
     return segment_scores(mass, torch.as_tensor(starts), torch.as_tensor(stops), "max").numpy()
 
 
 def product(row, mass, seeds: int = 1, shape: str = "sentences") -> np.ndarray:
-    from acre_train.modeling.scorers import grow_tokens
+    from acre_train.modeling.span_choice import grow_tokens
 
     return grow_tokens(mass, num_tokens=len(row["taken"]), budget=row["budget"], width=row["width"], seeds=seeds,
                        heads="max", taken=torch.from_numpy(row["taken"]), shape=shape,
@@ -184,7 +184,7 @@ def sink_rule(row, mass, unscored: int = 0, out_of_softmax: int = 4) -> np.ndarr
     later chunk kept) instead of whole sink spans. ``unscored``: the first N tokens of every chunk count for
     no region (their mass zeroed, the product's ``unscored``); ``out_of_softmax``: the first N leave the
     softmax instead (the product's ``sinks``; the dump's mass already has the first 4 out)."""
-    from acre_train.modeling.scorers import grow_tokens
+    from acre_train.modeling.span_choice import grow_tokens
 
     n, width = len(row["taken"]), int(row["width"])
     taken = chunk_starts(row, 4)[:n]

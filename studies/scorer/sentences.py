@@ -10,7 +10,7 @@ The 2K SQuAD cell's committed scorer (``l2:layers=7+9,heads=max,sinks=4,keep_sin
 places one region of the budget's share where the question's raw-key mass is densest, and cuts the answer
 sentence at the region's edge for about a quarter of the questions (docs/real-base.md). ``dump`` keeps,
 per *dev* question (SQuAD training articles, the questions ``calibrate`` uses; never the evaluation's),
-the product's own per-token mass (``modeling/scorers.py:question_mass``), the tokens the kept sinks
+the product's own per-token mass (``modeling/ranking.py:question_mass``), the tokens the kept sinks
 take, the context's token ids and the evidence ranges. ``compare`` replays the product's ``densest``
 selection on them and, beside it, regions made of whole sentences (sentence ends found from the
 tokens' text), and prints whole-evidence recall, coverage and overlap per rule.
@@ -41,7 +41,9 @@ def dump(root: Path, out: Path, count: int = 100) -> None:
     from acre_train.infer import AcreEngine
     from acre_train.infer.load import load_export
     from acre_train.infer.settings import inference_settings
-    from acre_train.modeling.scorers import ScorerSettings, forced_spans, question_mass, span_tokens
+    from acre_train.modeling.ranking import forced_spans, question_mass
+    from acre_train.modeling.scorer_spec import ScorerSettings
+    from acre_train.modeling.span_choice import span_tokens
 
     model, tokenizer, data = load_export(root / "exports" / EXPORT, dtype=torch.float32)
     cache_settings, refill = inference_settings(data)
@@ -75,7 +77,7 @@ def dump(root: Path, out: Path, count: int = 100) -> None:
 
 def densest(row, mass, ends: np.ndarray | None = None, shape: str = "densest") -> np.ndarray:
     """The product's selection (``grow_tokens``, one seed) on the dumped mass."""
-    from acre_train.modeling.scorers import grow_tokens
+    from acre_train.modeling.span_choice import grow_tokens
 
     bounds = row["bounds"]
     n, width = int(bounds[-1]), int(np.diff(bounds).max())

@@ -45,7 +45,7 @@ def dump(root: Path, cell: str, out: Path) -> None:
     from acre_train.infer import AcreEngine
     from acre_train.infer.load import load_export
     from acre_train.infer.settings import inference_settings
-    from acre_train.modeling.scorers import _grouped_logits
+    from acre_train.modeling.scoring import _grouped_logits
 
     length, task = int(cell.split("/")[0]), cell.split("/")[1]
     name, count, layers, sinks = CELLS[cell]
@@ -104,7 +104,7 @@ def _budget(row) -> tuple[np.ndarray, int, int]:
 
 
 def spans_rule(row, neighbors: bool) -> np.ndarray:
-    from acre_train.modeling.scorers import select_spans
+    from acre_train.modeling.span_choice import select_spans
 
     bounds, _, _ = _budget(row)
     mass = row["mass"]
@@ -142,8 +142,8 @@ def windows_rule(row, width: int, stride: int, extend: bool) -> np.ndarray:
 
 
 def grow_rule(row, seeds: int, shape: str = "attention") -> np.ndarray:
-    """The product's token-granular refill (``refill.grow``, ``refill.grow_shape``: ``modeling/scorers.py:grow_tokens``)."""
-    from acre_train.modeling.scorers import grow_tokens
+    """The product's token-granular refill (``refill.grow``, ``refill.grow_shape``: ``modeling/span_choice.py:grow_tokens``)."""
+    from acre_train.modeling.span_choice import grow_tokens
 
     _, n_closed, budget = _budget(row)
     mass = [torch.from_numpy(row["mass"].astype(np.float32))]

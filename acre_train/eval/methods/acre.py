@@ -71,7 +71,7 @@ class Acre(EvalMethod):
     @classmethod
     def join_options(cls, opts: list[str]) -> list[str]:
         """``selection=`` takes the rest of the row; ``scorer=`` the scorer options after it."""
-        from ...modeling.scorers import ScorerSettings
+        from ...modeling.scorer_spec import ScorerSettings
 
         scorer_keys = {f for f in ScorerSettings.__dataclass_fields__ if f != "kind"}
         out: list[str] = []
@@ -96,7 +96,7 @@ class Acre(EvalMethod):
             from ...modeling.selection import Selection
 
             Selection.parse(self.selection)
-        from ...modeling.scorers import GROW_SHAPES
+        from ...modeling.selection_words import GROW_SHAPES
 
         if self.grow_shape and self.grow_shape not in GROW_SHAPES:
             raise ValueError(f"grow_shape must be one of {', '.join(GROW_SHAPES)}, got {self.grow_shape!r}")
@@ -109,7 +109,7 @@ class Acre(EvalMethod):
         """The row's scorer: ``scorer=`` starts afresh, other options change ``stored`` (the export's)."""
         from dataclasses import replace
 
-        from ...modeling.scorers import ScorerSettings
+        from ...modeling.scorer_spec import ScorerSettings
 
         base = ScorerSettings.parse(self.scorer) if self.scorer else (stored or ScorerSettings())
         changes = {}
@@ -280,7 +280,7 @@ def refill_recall(tokenizer, example: PreparedExample, cache, selected, scores=N
 def visible_tokens(cache, selected) -> torch.Tensor:
     """``[num_context_tokens]`` bool: the context tokens a question sees after refilling ``selected`` (span
     indices, or a refilled-token mask as ``Answer.refilled``); pending raw tokens and the tail always."""
-    from ...modeling.scorers import span_tokens
+    from ...modeling.span_choice import span_tokens
 
     tokens = selected if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool else \
         span_tokens(cache.span_bounds, list(selected))
