@@ -41,9 +41,20 @@ def test_every_recipe_key_is_documented_and_every_documented_key_exists():
 def test_the_readme_fits_two_screens_and_its_links_resolve():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 150
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "real-base" / "record.md"]
     for page in pages:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to a missing {target}"
+
+
+def test_the_real_base_report_table_is_what_its_predictions_give():
+    """docs/real-base.md's summary table is written by studies/real/tables.py from the committed
+    predictions it links: an edit by hand, or data without the table, fails here."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "studies.real.tables", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
