@@ -290,3 +290,20 @@ def test_validate_names_layers_the_model_lacks_a_bad_seed_and_unbounded_epochs(c
     assert "seed: Input should be greater than or equal to 0" in capsys.readouterr().err
     assert cli.main(["validate", str(TINY), "train.epochs=1e308"]) == 2
     assert "train.epochs: Input should be less than or equal to 1000000" in capsys.readouterr().err
+
+
+def test_refill_sim_takes_the_selection_in_its_one_spelling():
+    """train.refill_sim.selection sets the parts (and eta) as the export will store them; parts that
+    disagree with it, and inference-only words, are refused by name."""
+    stage2 = ROOT / "recipes" / "tiny_stage2.yaml"
+    spelled = load_recipe(stage2, ["train.refill_sim.enabled=true",
+                                   "train.refill_sim.selection=l2:layers=0,heads=max +grow=2,centered eta=24"])
+    parts = load_recipe(stage2, ["train.refill_sim.enabled=true", "train.refill_sim.scorer=l2:layers=0,heads=max",
+                                 "train.refill_sim.grow=2", "train.refill_sim.grow_shape=centered",
+                                 "train.refill_sim.max_refill=24"])
+    plan = {"first_chunk": 64, "stride": 32, "intervals": [4]}
+    assert spelled.train.refill_sim.answers_with(plan) == parts.train.refill_sim.answers_with(plan)
+    with pytest.raises(RecipeError, match="selection .* and train.refill_sim.grow \\(3\\) disagree"):
+        load_recipe(stage2, ["train.refill_sim.selection=l2:layers=0 +grow=2", "train.refill_sim.grow=3"])
+    with pytest.raises(RecipeError, match="sentence ends"):
+        load_recipe(stage2, ["train.refill_sim.selection=l2:layers=0 +grow=2,sentences"])

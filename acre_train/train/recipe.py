@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import explain_validation
 from ..modeling import SUPPORTED_MODEL_TYPES
@@ -158,10 +158,14 @@ class RefillSimSection(_Section):
     interval: int | None = Field(None, ge=1)
     working_window: int | None = Field(None, ge=1)
     max_refill: int | None = Field(None, ge=0)
+    # The selection in its one spelling (docs/selection.md), e.g. "l2:layers=7,heads=max +grow=2,centered eta=192":
+    # it sets scorer, neighbors, grow, grow_shape and (its eta) max_refill, which may then be left out.
+    selection: str | None = None
     scorer: str = "l1:layers=-1"
     neighbors: bool = False
     grow: int = Field(0, ge=0)  # token-granular refill from this many seeds (infer/settings.py: RefillSettings)
-    grow_shape: Literal["attention", "centered", "densest"] = "attention"  # how grown regions take their tokens
+    # how grown regions take their tokens ("sentences" needs the text's sentence ends, which training lacks)
+    grow_shape: Literal["attention", "centered", "densest"] = "attention"
 
     @field_validator("scorer")
     @classmethod
@@ -169,6 +173,33 @@ class RefillSimSection(_Section):
         from ..modeling.scorer_spec import ScorerSettings
 
         return ScorerSettings.parse(value).describe()
+
+    @model_validator(mode="after")
+    def _from_selection(self) -> "RefillSimSection":
+        """``selection`` sets the parts; parts given beside it must agree with it."""
+        if self.selection is None:
+            return self
+        from ..modeling.selection import Selection
+
+        chosen = Selection.parse(self.selection)
+        if chosen.positions != "compact" or chosen.close_tail:
+            raise ValueError(f"train.refill_sim.selection {self.selection!r}: @text and close_tail are inference "
+                             "settings; training refills in the compact layout with the tail open")
+        if chosen.grow_shape == "sentences":
+            raise ValueError("train.refill_sim.selection: +grow=N,sentences needs the text's sentence ends, which "
+                             "training does not have; use attention, centered or densest")
+        parts = {"scorer": chosen.scorer.describe(), "neighbors": chosen.neighbors, "grow": chosen.grow,
+                 "grow_shape": chosen.grow_shape}
+        if chosen.max_refill is not None:
+            parts["max_refill"] = chosen.max_refill
+        defaults = {"scorer": "l1:layers=-1", "neighbors": False, "grow": 0, "grow_shape": "attention", "max_refill": None}
+        clash = [k for k, v in parts.items() if getattr(self, k) != defaults[k] and getattr(self, k) != v]
+        if clash:
+            raise ValueError(f"train.refill_sim.selection {self.selection!r} and train.refill_sim.{clash[0]} "
+                             f"({getattr(self, clash[0])!r}) disagree; give the selection or its parts")
+        for key, value in parts.items():
+            object.__setattr__(self, key, value)
+        return self
 
     def answers_with(self, plan: Mapping[str, Any]) -> dict[str, Any]:
         """What a run trained in the refilled layout answers with, for data chunked by ``plan`` (its
