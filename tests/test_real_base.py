@@ -74,9 +74,7 @@ SQUAD = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "
 @pytest.mark.skipif(not SQUAD.is_file(), reason="the SQuAD v2 dev file is not beside the checkout")
 def test_the_quickstart_adapter_answers_a_fixed_question_as_full_attention_does(tmp_path):
     """The adapter the quickstart exports, with the scorer its card names, answers one held-out question
-    of the scorer study (2K SQuAD, seed 777, id squad-777-12: "1891") exactly as full attention. (Until the
-    twenty-fourth session the plain adapter shipped, and the fixed question was squad-777-10, "28 days": the
-    refill-simulated adapter answers it "28".)"""
+    of the scorer study (2K SQuAD, seed 777, id squad-777-12: "1891") exactly as full attention."""
     import torch
 
     from acre_train.data.squad import split_articles, subset_squad

@@ -10,8 +10,8 @@ For each question of the cell's ACRE row (``acre`` or the ladder's ``acre:...`` 
 answered wrong, the first number of the prediction is classed as: another needle's value in the same
 context (with its distance in tokens from the asked needle), a number that is in no needle (a garbled
 copy), or no number at all. The first class is a key-value binding error with both needles readable;
-the others are copying errors. Cells evaluated since the sixteenth session record which needles each
-question saw whole (``refill_visible_gold``); for them ``that_needle`` counts whether the needle whose
+the others are copying errors. Cells that record which needles each question saw whole
+(``refill_visible_gold``) also give ``that_needle``: it counts whether the needle whose
 value was given had been refilled too, or came from the L1 memory. ``given_needle_lies`` counts whether
 that needle comes after the asked one in the text (nearer the question) or before it.
 """
@@ -72,7 +72,7 @@ def cell_confusions(cell: Path, tokenizer) -> dict:
         if distance is not None:
             distances.append(abs(distance))
             side["after the asked one" if distance > 0 else "before it"] += 1
-            if "refill_visible_gold" in r:  # recorded since the sixteenth session
+            if "refill_visible_gold" in r:  # recorded by the newer cells
                 given = re.findall(r"\d{5,}", r["prediction"])[0]
                 other = next(i for i, (a, b) in enumerate(e.gold_spans) if given in e.context[a:b])
                 seen["refilled" if other in r["refill_visible_gold"] else "not refilled"] += 1

@@ -21,7 +21,7 @@ questions, whole-span selection). Where the docs already hold the cell's calibra
 machine writes that choice into its copy of the export instead of calibrating again. ``--grow-shapes`` is swept by calibrate (``attention``: regions grow
 toward the most-attended token; ``centered``: an even share of the budget centred on each seed); ``--name``
 keeps each sweep's export, evaluation and docs apart (docs/real-base/scorer/NAME/); calibrate sweeps
-``query=all`` and ``query=question`` by default, so sweeps from the twenty-fourth session on choose between them. ``--full`` adds full attention on the seeds whose committed cell
+``query=all`` and ``query=question`` by default, so sweeps choose between them. ``--full`` adds full attention on the seeds whose committed cell
 lacks it, so the answer-when-refilled can be set against full attention on the same questions.
 """
 

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     exported = export(root, run_dir, args.row)
     # The curve goes to docs with the adapter: the run folder stays on this machine, and a fresh one
-    # would have the adapter but not how it trained (the sixteenth session lost the distilled row's so).
+    # would have the adapter but not how it trained (a distilled row's was once lost so).
     shutil.copy2(run_dir / "metrics.jsonl", Path(args.docs) / f"{args.row}_metrics.jsonl")
     if args.row != "stage2-sim-long":  # the ladder answers every other row from its committed adapter
         from ladder import ADAPTERS
