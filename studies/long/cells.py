@@ -2,6 +2,7 @@
 
     python -m studies.long.cells list                     # every cell and the command it runs
     python -m studies.long.cells run needles-16k          # one test cell (refused a second time: --rerun)
+    python -m studies.long.cells run chain-16k qa-16k     # several, one after another (a finished one is skipped)
     python -m studies.long.cells report [--check]         # docs/long/README.md and the README's table
 
 Every cell answers with the adapter that ships with acre-train (``acre_train/resources/adapters``) and
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     sub.add_parser("list")
     run = sub.add_parser("run")
-    run.add_argument("cell", choices=sorted(CELLS))
+    run.add_argument("cells", nargs="+", choices=sorted(CELLS), metavar="CELL")
     run.add_argument("--rerun", action="store_true")
     report = sub.add_parser("report")
     report.add_argument("--check", action="store_true")
@@ -250,7 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "report":
         return write_report(args.check)
     make_export()
-    return subprocess.call(command(args.cell, args.rerun), cwd=REPO)
+    for name in args.cells:
+        if not args.rerun and (DOCS / "cells" / name / "predictions.jsonl").is_file():
+            print(f"{name}: already run (docs/long/cells/{name}); --rerun to score it again")
+            continue
+        code = subprocess.call(command(name, args.rerun), cwd=REPO)
+        if code:
+            return code
+    return 0
 
 
 if __name__ == "__main__":
