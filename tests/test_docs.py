@@ -29,7 +29,7 @@ def _documented(page: str) -> set[str]:
 
 def test_every_recipe_key_is_documented_and_every_documented_key_exists():
     from acre_train.data.settings import Stage1Settings, Stage2Settings
-    from acre_train.train.recipe import Recipe
+    from acre_train.train.recipe_schema import Recipe
 
     schema = _leaf_keys(Recipe)
     schema |= {f"data.prepare.{k}" for k in (*Stage1Settings.model_fields, *Stage2Settings.model_fields) if k != "output"}

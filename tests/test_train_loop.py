@@ -202,7 +202,7 @@ def test_logging_writes_the_named_scalars(workdir):
 
 def test_liger_toggles_are_refused_without_cuda(workdir):
     from acre_train.train.liger import apply_liger
-    from acre_train.train.recipe import LigerSection
+    from acre_train.train.recipe_schema import LigerSection
 
     messages = []
     model = tiny_model("qwen2")
@@ -246,7 +246,7 @@ def test_a_run_dir_belongs_to_one_run(workdir, capsys):
     """Relaunching a finished run without resume is refused (nothing of it is touched); overwrite
     replaces it; a shorter run never has its own newest checkpoint pruned."""
     from acre_train.cli import main as cli_main
-    from acre_train.train.recipe import check_recipe
+    from acre_train.train.recipe_checks import check_recipe
 
     _, long = run(recipe(workdir, "owned", "train.max_steps=6"))
     before = sorted(p.name for p in (workdir / "owned").iterdir())
@@ -576,7 +576,8 @@ def test_one_owner_per_folder_runs_preparations_and_exports(workdir):
     from acre_train.data import prepare_stage1
     from acre_train.export.writer import export_model
     from acre_train.files import FolderBusy, FolderLock
-    from acre_train.train.recipe import RecipeError, prepare_settings, validate_recipe
+    from acre_train.train.recipe_checks import prepare_settings, validate_recipe
+    from acre_train.train.recipe_schema import RecipeError
 
     _, first = run(recipe(workdir, "own-a", "train.max_steps=2"))
     with FolderLock(workdir / "own-b"):  # another process training there
@@ -624,7 +625,7 @@ def test_vanilla_lora_trains_only_a_lora_on_the_base_s_own_qkv_and_exports_a_pla
     assert not torch.equal(plain.get_submodule(key).weight, base.get_submodule(key).weight)
     torch.testing.assert_close(plain.get_submodule("model.layers.0.mlp.up_proj").weight,
                                base.get_submodule("model.layers.0.mlp.up_proj").weight, rtol=0, atol=0)
-    from acre_train.train.recipe import check_recipe
+    from acre_train.train.recipe_checks import check_recipe
 
     assert any("model.vanilla applies to mode: vanilla" in p
                for p in check_recipe(recipe(workdir, "bad", "model.vanilla=lora", stage=2), 1))
@@ -633,7 +634,7 @@ def test_vanilla_lora_trains_only_a_lora_on_the_base_s_own_qkv_and_exports_a_pla
 def test_a_folder_acre_train_did_not_make_is_neither_run_in_nor_cleared(workdir):
     """--overwrite clears only a run folder of ours: a folder holding someone's files (or a recipe.yaml no
     run wrote) is refused before anything in it is touched; a run folder carries acre-train's marker."""
-    from acre_train.train.recipe import RUN_MARKER, check_recipe
+    from acre_train.train.recipe_checks import RUN_MARKER, check_recipe
 
     theirs = workdir / "theirs"
     (theirs / "tensorboard").mkdir(parents=True)

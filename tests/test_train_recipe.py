@@ -11,7 +11,7 @@ import yaml
 from acre_train import cli
 from acre_train.train import RecipeError, check_recipe, load_recipe, parse_overrides
 from acre_train.train import trainer as trainer_module
-from acre_train.train.recipe import resolve_accumulation
+from acre_train.train.recipe_checks import resolve_accumulation
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny_stage1.yaml"

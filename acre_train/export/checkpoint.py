@@ -166,7 +166,7 @@ def load_vanilla_model(path: str | Path, *, dtype: torch.dtype | None = None) ->
     section = recipe.get("model") or {}
     if section.get("vanilla") == "lora":
         from ..train.model import vanilla_lora
-        from ..train.recipe import LoraSection
+        from ..train.recipe_schema import LoraSection
 
         model = vanilla_lora(model, LoraSection(**(section.get("lora") or {})).model_dump())
     own = dict(model.named_parameters())
@@ -195,7 +195,7 @@ def answers_with(plan: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]
     """What the export answers with: for a run trained in the refilled layout (``train.refill_sim``),
     what its training simulated (``RefillSimSection.answers_with``, the trainer's own function); else
     the inference defaults of its chunking. ``calibrate`` or an export flag may still override it."""
-    from ..train.recipe import RefillSimSection
+    from ..train.recipe_schema import RefillSimSection
 
     sim = (recipe.get("train") or {}).get("refill_sim") or {}
     if sim.get("enabled"):

@@ -12,7 +12,9 @@ From a shell: ``acre-train train RECIPE k=v``, ``python -m acre_train.train RECI
 """
 
 from .checkpoint import CheckpointMismatch, latest_checkpoint, list_checkpoints, read_meta
-from .recipe import Recipe, RecipeError, check_recipe, load_recipe, parse_overrides, validate_recipe
+from .recipe import load_recipe, parse_overrides
+from .recipe_checks import check_recipe, validate_recipe
+from .recipe_schema import Recipe, RecipeError
 from .trainer import TrainResult, train
 
 __all__ = [

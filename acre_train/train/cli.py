@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from ..errors import user_errors
-from .recipe import load_recipe, validate_recipe
+from .recipe import load_recipe
+from .recipe_checks import validate_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .recipe import LigerSection
+from .recipe_schema import LigerSection
 
 PATCHERS = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
             "qwen3": "apply_liger_kernel_to_qwen3", "mistral": "apply_liger_kernel_to_mistral"}

@@ -12,7 +12,7 @@ from torch import nn
 from ..modeling import IGNORE_INDEX, acre_forward, acre_parameters, attach_acre, is_acre_model, load_acre_state_dict
 from ..modeling.adapter import chunked_lm_loss
 from .checkpoint import META, find_weights_checkpoint, load_trainable, read_meta
-from .recipe import Recipe
+from .recipe_schema import Recipe
 from .refill_loss import COLUMNS as REFILL_COLUMNS, QueryKeyCapture, learned_loss_sum, refill_loss_sum
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}

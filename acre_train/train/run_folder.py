@@ -20,7 +20,8 @@ import torch
 
 from . import checkpoint as ckpt
 from .model import base_reference, load_base, load_trainable_state, save_base, trainable_state
-from .recipe import RecipeError, read_yaml, recipe_from_dict
+from .recipe import read_yaml, recipe_from_dict
+from .recipe_schema import RecipeError
 
 
 class NonFiniteError(ValueError):
@@ -52,7 +53,7 @@ class RunFolder:
             if self.recipe.checkpoint.overwrite:
                 self.clear_earlier_run()
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            from .recipe import RUN_MARKER
+            from .recipe_checks import RUN_MARKER
 
             marker = self.run_dir / RUN_MARKER
             if not marker.is_file():
@@ -68,7 +69,7 @@ class RunFolder:
         a folder holding what no run of ours wrote is refused before anything goes (``recipe._check_resume``)."""
         import shutil
 
-        from .recipe import RUN_FILES, foreign_files
+        from .recipe_checks import RUN_FILES, foreign_files
 
         if foreign_files(self.run_dir):  # checked at validation too; a file that appeared since stops it here
             raise RecipeError([f"run dir {self.run_dir} holds files no acre-train run wrote: "

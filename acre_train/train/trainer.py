@@ -40,7 +40,8 @@ from .liger import apply_liger
 from .model import LossModule, build_model
 from .refill_loss import num_samples as refill_samples
 from .run_folder import NonFiniteError, RunFolder
-from .recipe import Recipe, RecipeError, check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
+from .recipe_checks import check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
+from .recipe_schema import Recipe, RecipeError
 from .vocabulary import base_tokenizer_fingerprint, data_vocabulary, vocabulary_problems
 
 
@@ -283,7 +284,7 @@ class Trainer(RunFolder):
     def check_still_free(self) -> None:
         """The recipe checks ran before this process owned the run dir: a run that started meanwhile (and
         has finished, releasing it) is refused here, as it would have been then."""
-        from .recipe import earlier_run
+        from .recipe_checks import earlier_run
 
         c = self.recipe.checkpoint
         found = None if (c.resume_from_checkpoint or c.overwrite) else earlier_run(self.run_dir)

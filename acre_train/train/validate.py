@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .recipe import RecipeError, check_recipe, load_recipe, resolve_accumulation, world_size_from_env
+from .recipe import load_recipe
+from .recipe_checks import check_recipe, resolve_accumulation, world_size_from_env
+from .recipe_schema import RecipeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

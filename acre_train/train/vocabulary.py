@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .recipe import Recipe
+from .recipe_schema import Recipe
 
 
 def data_vocabulary(path: str | Path, manifest: dict[str, Any] | None = None, dataset=None) -> tuple[dict, int]:
