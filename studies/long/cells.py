@@ -119,9 +119,10 @@ def findings() -> str:
             golds.setdefault(r.get("context_index"), set()).update(r["answers"])
         wrong = [r for r in back if not r["substring"]]
         other = sum(1 for r in wrong if any(a in r["prediction"] for a in golds[r.get("context_index")] - set(r["answers"])))
+        confusion = f"{other} of {len(wrong)}" if CELLS[name][0] != "long_qa" else "–"  # (codes, not free text)
         lines.append(f"| {name} | {ratio} | {100.0 * len(back) / len(acre):.1f} | {mean(back):.1f} ({len(back)}) | "
                      f"{mean(missed):.1f} ({len(missed)}) | {statistics.median(ranks) if ranks else '–'} | "
-                     f"{other} of {len(wrong)} |")
+                     f"{confusion} |")
     return "\n".join(lines) + "\n"
 
 
