@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,8 @@ def command(name: str, rerun: bool = False) -> list[str]:
             "--max-new-tokens", str(new_tokens), "--device", "cpu", "--dtype", "float32", "--no-progress",
             "--ledger", str(LEDGER.relative_to(REPO)), "--out", str((DOCS / "cells" / name).relative_to(REPO))]
     if task == "long_qa":
-        argv += ["--squad", str(SQUAD)]
+        # relative to the repository (the command runs there), so the published command is the same on every clone
+        argv += ["--squad", os.path.relpath(SQUAD, REPO)]
     return argv + (["--rerun"] if rerun else [])
 
 
