@@ -91,23 +91,38 @@ def l2_mass(queries: Sequence[torch.Tensor], l2_keys_rot: Sequence[torch.Tensor]
     for q, k in zip(queries, l2_keys_rot, strict=True):
         logits = _grouped_logits(q.float(), k.to(q.device))
         if ignore is not None and bool(ignore.any()):
-            logits = logits.masked_fill_(ignore.to(logits.device), float("-inf"))
+            # Only the ignored columns are written (sinks are ~1 % of the tokens): the same values as a
+            # masked_fill over the whole [H, n, N2] tensor, which at 128K tokens cost more than the softmax.
+            columns = torch.nonzero(ignore[: logits.shape[-1]].cpu()).flatten().to(logits.device)
+            logits = logits.index_fill_(-1, columns, float("-inf"))
         out.append(torch.softmax(logits, dim=-1))
     return out
 
 
+def prefix_mass(mass: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, the prefix sum of the mass over the L2 axis: what :func:`segment_scores` and
+    :func:`window_scores` read (``prefix=``). Made once where several segment sets of one mass are
+    scored (sentence runs after windows), each call would otherwise sum the whole context again."""
+    return [probs.cumsum(-1) for probs in mass]
+
+
+def _prefixes(mass: Sequence[torch.Tensor], prefix: Sequence[torch.Tensor] | None):
+    """The given prefix sums, or each layer's made as it is read (one [H, n, N2] sum alive at a time)."""
+    return prefix if prefix is not None else (probs.cumsum(-1) for probs in mass)
+
+
 def segment_scores(mass: Sequence[torch.Tensor], starts: torch.Tensor, ends: torch.Tensor,
-                   heads: str = "mean") -> torch.Tensor:
+                   heads: str = "mean", prefix: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """The mass of each token segment ``[starts[i], ends[i])``, pooled like every scorer: per layer,
     per question token, pool the heads; then the mean over question tokens and over layers.
 
     Spans, windows and single tokens are all segments, so a window that is a span scores as that span.
+    ``prefix``: :func:`prefix_mass` of ``mass``, when the caller has it.
     """
     per_layer = []
-    for probs in mass:
+    for csum in _prefixes(mass, prefix):
         # Sum per segment through a prefix sum over the L2 axis (segments are contiguous).
-        csum = probs.cumsum(-1)
-        a, b = starts.to(probs.device, torch.long), ends.to(probs.device, torch.long)
+        a, b = starts.to(csum.device, torch.long), ends.to(csum.device, torch.long)
         per_layer.append(pool_heads(_before(csum, b) - _before(csum, a), heads))
     return torch.stack(per_layer).mean(dim=0)
 
@@ -119,16 +134,15 @@ def _before(csum: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return csum[..., (index - 1).clamp(min=0)].masked_fill_(index == 0, 0.0)
 
 
-def window_scores(mass: Sequence[torch.Tensor], width: int, count: int, heads: str = "mean") -> torch.Tensor:
+def window_scores(mass: Sequence[torch.Tensor], width: int, count: int, heads: str = "mean",
+                  prefix: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """:func:`segment_scores` of the ``count`` windows ``[s, s + width)``, ``s = 0..count-1``: the same
     arithmetic read through slices of the prefix sum (no gathered copies: at 128K tokens those were most
-    of a question's selection time)."""
+    of a question's selection time). ``prefix``: :func:`prefix_mass` of ``mass``, when the caller has it."""
     per_layer = []
-    for probs in mass:
-        csum = probs.cumsum(-1)
+    for csum in _prefixes(mass, prefix):
         sums = csum[..., width - 1 : width - 1 + count].clone()  # window s ends at token s + width - 1
         sums[..., 1:] -= csum[..., : count - 1]  # ... and starts after token s - 1 (window 0: nothing before)
-        del csum
         per_layer.append(pool_heads(sums, heads))
     return torch.stack(per_layer).mean(dim=0)
 

@@ -159,7 +159,9 @@ def _densest_regions(mass: Sequence[torch.Tensor], taken: torch.Tensor, *, budge
     free = torch.ones(mass[0].shape[-1], dtype=mass[0].dtype, device=mass[0].device)
     free[:num_tokens] = (~taken).to(free)
     mass = [m.mul_(free) for m in mass] if spend else [m * free for m in mass]
-    window = window_scores(mass, size, num_tokens - size + 1, heads).cpu()
+    # One prefix sum serves the windows and every seed's sentence runs (in place: the masked mass is ours).
+    prefix = [m.cumsum_(-1) for m in mass]
+    window = window_scores(mass, size, num_tokens - size + 1, heads, prefix=prefix).cpu()
     regions = torch.zeros(num_tokens, dtype=torch.bool)
     placed = 0
     for s in torch.argsort(window, descending=True, stable=True).tolist():
@@ -167,7 +169,7 @@ def _densest_regions(mass: Sequence[torch.Tensor], taken: torch.Tensor, *, budge
             break
         if regions[s : s + size].any():
             continue
-        a, b = (s, s + size) if ends is None else _on_sentences(mass, ends, s, size, heads)
+        a, b = (s, s + size) if ends is None else _on_sentences(prefix, ends, s, size, heads)
         free = torch.arange(a, b)[~taken[a:b]][: budget - used]
         taken[free] = True
         regions[s : s + size] = True
@@ -176,9 +178,10 @@ def _densest_regions(mass: Sequence[torch.Tensor], taken: torch.Tensor, *, budge
     return taken
 
 
-def _on_sentences(mass: Sequence[torch.Tensor], ends: torch.Tensor, start: int, size: int, heads: str
+def _on_sentences(prefix: Sequence[torch.Tensor], ends: torch.Tensor, start: int, size: int, heads: str
                   ) -> tuple[int, int]:
-    """The window ``[start, start + size)`` moved onto whole sentences (``grow_tokens(shape="sentences")``)."""
+    """The window ``[start, start + size)`` moved onto whole sentences (``grow_tokens(shape="sentences")``);
+    ``prefix``: the mass's :func:`~acre_train.modeling.scoring.prefix_mass`."""
     n = len(ends)
     cuts = torch.unique(torch.cat([torch.tensor([0, n]), torch.nonzero(ends).flatten() + 1])).tolist()
     first = max(0, bisect.bisect_right(cuts, start - size) - 1)  # no run from further back can reach the window
@@ -198,7 +201,7 @@ def _on_sentences(mass: Sequence[torch.Tensor], ends: torch.Tensor, start: int, 
         elif b > start:
             starts.append(a)
             stops.append(b)
-    best = int(torch.argmax(segment_scores(mass, torch.tensor(starts), torch.tensor(stops), heads).cpu()))
+    best = int(torch.argmax(segment_scores([], torch.tensor(starts), torch.tensor(stops), heads, prefix=prefix).cpu()))
     a, b = starts[best], stops[best]
     left = size - (b - a)  # what the share has left widens the run evenly
     return max(0, a - left // 2), min(n, b + left - left // 2)
