@@ -67,8 +67,7 @@ def acre_build_work(num_raw: int, first_chunk: int, stride: int, interval: int, 
                     ) -> tuple[int, int]:
     """(rows, attended pairs) of ACRE's cache build: every finished chunk's rows (raw + L1) attend the
     L1 entries of the chunks before it and themselves, causally. ``per_chunk``: filled with each chunk's rows."""
-    from acre_train.infer.cache import finished_chunks
-    from acre_train.infer.settings import CacheSettings
+    from acre_train.modeling.bilayer import CacheSettings, finished_chunks
     from acre_train.modeling.interleave import interleave
 
     import numpy as np

@@ -29,7 +29,7 @@ import transformers
 from acre_train.measure import PeakMemory
 from acre_train.eval.methods import GenerationConfig, parse_methods
 from acre_train.eval.prompt import PreparedExample
-from acre_train.eval.tasks import Example
+from acre_train.eval.examples import Example
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floors import machine_rates, question_floor  # noqa: E402

@@ -48,8 +48,7 @@ def _model(heads: int, kv_heads: int, dim: int, layers: int):
 
 
 def _cache(model, n: int, interval: int, kv_heads: int, dim: int, layers: int):
-    from acre_train.infer.cache import BiLayerCache
-    from acre_train.infer.settings import CacheSettings
+    from acre_train.modeling.bilayer import BiLayerCache, CacheSettings
 
     m = n // interval
     gen = torch.Generator().manual_seed(0)

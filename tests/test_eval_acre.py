@@ -9,7 +9,8 @@ import torch
 
 from acre_train.eval.methods import GenerationConfig, parse_method
 from acre_train.eval.prompt import PreparedExample
-from acre_train.eval.tasks import Example, build_task, save_jsonl
+from acre_train.eval.examples import Example, save_jsonl
+from acre_train.eval.tasks import build_task
 from acre_train.infer.settings import selection_suffix
 from acre_train.modeling import acre_parameters, attach_acre
 from acre_train.tiny import tiny_model

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from acre_train.eval import build_task, load_jsonl, prepare_example, save_jsonl
-from acre_train.eval.tasks import Example
+from acre_train.eval.examples import Example
 
 
 def _tokenizer():

@@ -18,7 +18,7 @@ from acre_train.eval.methods import GenerationConfig, parse_method
 from acre_train.eval.methods.cachefocus import cachefocus_answer, cachefocus_prepare, pruning_schedule
 from acre_train.eval.methods.infoflow import chunkwise_prepare, infoflow_answer, num_recomputed
 from acre_train.eval.prompt import PreparedExample
-from acre_train.eval.tasks import Example
+from acre_train.eval.examples import Example
 
 VOCAB = 211
 TOL = 1e-5

@@ -168,13 +168,13 @@ def test_a_full_disk_during_preparation_or_export_leaves_nothing(tmp_path, monke
 def test_a_full_disk_while_saving_a_cache_leaves_no_file(tmp_path, monkeypatch):
     import safetensors.torch
 
-    from acre_train.infer import AcreEngine, CacheSettings
+    from acre_train.infer import AcreEngine, CacheSettings, save_cache
 
     engine = AcreEngine(_model(), cache_settings=CacheSettings(16, 8, 4))
     cache = engine.build(list(range(5, 45)))
     monkeypatch.setattr(safetensors.torch, "save_file", _no_space)
     with pytest.raises(DiskFullError, match="cache"):
-        cache.save(tmp_path / "ctx.cache")
+        save_cache(cache, tmp_path / "ctx.cache")
     assert list(tmp_path.iterdir()) == []
 
 

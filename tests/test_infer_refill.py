@@ -16,7 +16,9 @@ from acre_train.infer import (
     ContextTooLongError,
     RefillSettings,
     assemble,
+    load_cache,
     num_selected,
+    save_cache,
     select_spans,
 )
 from acre_train.modeling import acre_forward, acre_parameters, attach_acre, interleave
@@ -338,7 +340,7 @@ def test_saved_and_reloaded_cache_gives_identical_answers(tmp_path):
     assert cache.l2_keys.device.type == "cpu" and cache.l2_values.device.type == "cpu"
     assert cache.l1_keys.device == next(model.parameters()).device
     before = engine.answer(cache, q)
-    loaded = engine.load_cache(cache.save(tmp_path / "ctx.safetensors"))
+    loaded = engine.load_cache(save_cache(cache, tmp_path / "ctx.safetensors"))
     assert loaded.l2_keys.device.type == "cpu" and loaded.l2_values.device.type == "cpu"
     after = engine.answer(loaded, q)
     assert torch.equal(before.first_logits, after.first_logits) and before.token_ids == after.token_ids
@@ -372,13 +374,13 @@ def test_text_in_text_out_with_the_tiny_tokenizer():
 
 def test_a_cache_from_another_model_or_other_settings_is_an_error(tmp_path):
     model = _model("qwen2")
-    path = _small_engine(model).build(_ids(40, 17)).save(tmp_path / "c.safetensors")
+    path = save_cache(_small_engine(model).build(_ids(40, 17)), tmp_path / "c.safetensors")
     with pytest.raises(CacheMismatchError, match="built by another model"):
-        BiLayerCache.load(path, _model("qwen2", seed=5), CacheSettings(16, 8, 4))
+        load_cache(path, _model("qwen2", seed=5), CacheSettings(16, 8, 4))
     with pytest.raises(CacheMismatchError, match="built by another model"):
-        BiLayerCache.load(path, _model("qwen2").to(torch.float64), CacheSettings(16, 8, 4))
+        load_cache(path, _model("qwen2").to(torch.float64), CacheSettings(16, 8, 4))
     with pytest.raises(CacheMismatchError, match="built with settings"):
-        BiLayerCache.load(path, model, CacheSettings(16, 8, 8))
+        load_cache(path, model, CacheSettings(16, 8, 8))
     in_memory = _small_engine(model).build(_ids(40, 17))
     with pytest.raises(CacheMismatchError, match="built by another model"):
         _small_engine(_model("qwen2", seed=5)).answer(in_memory, _ids(4, 1))
@@ -386,7 +388,7 @@ def test_a_cache_from_another_model_or_other_settings_is_an_error(tmp_path):
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, str(other))
     with pytest.raises(CacheMismatchError, match="not an ACRE bi-layer cache"):
-        BiLayerCache.load(other, model, CacheSettings(16, 8, 4))
+        load_cache(other, model, CacheSettings(16, 8, 4))
 
 
 def test_contexts_beyond_the_settings_are_clear_errors():
@@ -443,6 +445,6 @@ def test_a_closed_tail_scores_alike_and_answers_alike_when_nothing_is_refilled(s
         else:
             torch.testing.assert_close(a.first_logits, b.first_logits, atol=ATOL, rtol=0)
             assert a.token_ids == b.token_ids and a.selected == b.selected == []
-    loaded = closed_engine.load_cache(closed.save(tmp_path / "closed.safetensors"))
+    loaded = closed_engine.load_cache(save_cache(closed, tmp_path / "closed.safetensors"))
     assert torch.equal(loaded.tail_keys, closed.tail_keys)
     assert closed_engine.answer(loaded, q).token_ids == closed_engine.answer(closed, q).token_ids

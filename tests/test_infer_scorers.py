@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from acre_train.data.prompt import PromptFormat
-from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings
+from acre_train.infer import AcreEngine, BiLayerCache, CacheSettings, RefillSettings, load_cache, save_cache
 from acre_train.modeling.scorer_spec import ScorerSettings
 from acre_train.modeling.scoring import sink_mask
 from acre_train.modeling.span_choice import grow_tokens, select_spans
@@ -164,7 +164,7 @@ def test_the_engine_refills_the_reference_top_k_and_bounds_travel_with_a_saved_c
     answer = engine.answer(cache, q)
     want, _ = _reference(model, ctx, q, scorer)
     assert answer.k == 2 and answer.selected == sorted(torch.topk(want, 2).indices.tolist())
-    loaded = BiLayerCache.load(cache.save(tmp_path / "c.safetensors"), model, SETTINGS)
+    loaded = load_cache(save_cache(cache, tmp_path / "c.safetensors"), model, SETTINGS)
     torch.testing.assert_close(loaded.boxes["1:1"][0], cache.boxes["1:1"][0], atol=0, rtol=0)
     torch.testing.assert_close(loaded.boxes["1:1"][1], cache.boxes["1:1"][1], atol=0, rtol=0)
     again = engine.answer(loaded, q)
@@ -409,7 +409,7 @@ def test_sentence_ends_come_from_the_tokens_text_and_travel_with_a_saved_cache(t
     ctx = _ids(42, 6)
     cache = engine.build(ctx)
     assert torch.equal(cache.sentence_ends, sentence_ends(Words(), ctx)[: cache.num_l2])
-    loaded = engine.load_cache(cache.save(tmp_path / "c.safetensors"))
+    loaded = engine.load_cache(save_cache(cache, tmp_path / "c.safetensors"))
     assert torch.equal(loaded.sentence_ends, cache.sentence_ends)
     assert AcreEngine(model, cache_settings=SETTINGS).build(ctx).sentence_ends is None  # ids alone: not known
 

@@ -15,7 +15,8 @@ from acre_train.export.writer import export_model
 from acre_train.infer.engine import AcreEngine
 from acre_train.infer.load import load_export
 from acre_train.infer.placement import Placement, execution_device, parse_max_memory, refine_device_map
-from acre_train.infer.settings import CacheSettings, RefillSettings
+from acre_train.modeling.bilayer import CacheSettings
+from acre_train.infer.settings import RefillSettings
 from acre_train.tiny import tiny_model
 from helpers import perturbed_acre_model, random_ids
 

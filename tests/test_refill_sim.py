@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from acre_train.infer import AcreEngine
+from acre_train.infer import AcreEngine, RefillSettings
 from acre_train.modeling.scorer_spec import ScorerSettings
 from acre_train.modeling.scoring import spans_with
 from acre_train.modeling import acre_parameters, interleave
@@ -17,6 +17,14 @@ from helpers import perturbed_acre_model as _model, random_ids as _ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+
+def _engine(model, settings: SimSettings) -> AcreEngine:
+    """The inference engine a run trained with ``settings`` answers with."""
+    refill = RefillSettings(working_window=settings.working_window, max_refill=settings.max_refill,
+                            scorer=settings.scorer, neighbors=settings.neighbors, grow=settings.grow,
+                            grow_shape=settings.grow_shape)
+    return AcreEngine(model, cache_settings=settings.cache_settings(), refill=refill)
 
 def _row(ctx, question, answer, evidence=(), first_chunk=16, stride=16, interval=4):
     """A stage-2 row as data prep writes it (its own plan and intervals differ from the simulation's)."""
@@ -52,7 +60,7 @@ def test_training_logits_equal_the_engines_answer_for_a_fixed_selection(arch, ct
     rows = torch.nonzero(labels != -100).reshape(-1)
     assert len(rows) == len(answer) and labels[rows].tolist() == answer
 
-    engine = AcreEngine(model, cache_settings=settings.cache_settings(), refill=settings.refill())
+    engine = _engine(model, settings)
     cache = engine.build(ctx)
     closed = 40 if ctx_len >= 40 else 28
     assert len(cache.tail_ids) == ctx_len - closed
@@ -68,7 +76,7 @@ def test_the_simulated_selection_is_the_engines_and_forcing_brings_the_evidence(
     settings = _settings(max_refill=8)  # k = 2 spans of 4
     ctx, question, answer = _ids(60, 4), _ids(5, 5), _ids(3, 6)
     row = _row(ctx, question, answer, evidence=(9, 11))
-    engine = AcreEngine(model, cache_settings=settings.cache_settings(), refill=settings.refill())
+    engine = _engine(model, settings)
     cache = engine.build(ctx)
     plain = unpad(collate_sim([sim_sample(row, settings)]), 0)
     with torch.no_grad():

@@ -4,7 +4,8 @@ its baselines) on one model, prompt and greedy decoding, and the harness that ta
 from .harness import EvalConfig, EvalReport, evaluate, markdown_table, summarize
 from .methods import METHODS, parse_method, parse_methods
 from .prompt import PreparedExample, prepare_example
-from .tasks import Example, build_task, load_jsonl, resolve_tasks, save_jsonl
+from .examples import Example, load_jsonl, save_jsonl
+from .tasks import build_task, resolve_tasks
 
 __all__ = [
     "METHODS", "EvalConfig", "EvalReport", "Example", "PreparedExample", "build_task", "evaluate", "load_jsonl",

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from .harness import EvalConfig, evaluate
     from ..infer.placement import requested_device
     from .methods import parse_methods
-    from .tasks import resolve_tasks, save_jsonl
+    from .examples import save_jsonl
+    from .tasks import resolve_tasks
 
     methods = parse_methods(args.methods)  # a bad spec is a one-line error (errors.py), before any model loads
     device = requested_device(args.device)

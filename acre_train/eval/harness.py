@@ -33,7 +33,7 @@ from . import metrics
 from ..measure import PeakMemory, Timer
 from .methods.base import EvalMethod, GenerationConfig
 from .prompt import PreparedExample, prepare_example
-from .tasks import Example
+from .examples import Example
 
 COST_KEYS = ("kv_attended", "tokens_prefilled", "token_layers_computed", "token_layers_recomputed", "kv_bytes",
              "prepare_s", "answer_s", "ttft_s", "wall_s", "memory_added_bytes")

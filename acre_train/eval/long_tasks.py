@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .tasks import Example, _TokenCounter
+from .examples import Example, TokenCounter
 
 LONG_TASKS = ("long_needles", "long_chain", "long_qa")
 LENGTHS = (4096, 16384, 32768, 65536, 131072)
@@ -129,7 +129,7 @@ def _code(rng: random.Random) -> str:
             f"{rng.choice(_LETTERS)}{rng.choice(_LETTERS)}")
 
 
-def _fill(rng: random.Random, count: _TokenCounter, docs: Sequence[str], budget: int) -> list[str]:
+def _fill(rng: random.Random, count: TokenCounter, docs: Sequence[str], budget: int) -> list[str]:
     """Consecutive haystack documents from a seeded start, up to ``budget`` tokens (wrapping around)."""
     start, out, total = rng.randrange(len(docs)), [], 0
     for k in range(len(docs)):
@@ -178,7 +178,7 @@ NEEDLE_INSTRUCTION = ("The text below is a long reference document. Somewhere in
 def _needle_contexts(kind: str, tokenizer, context_tokens: int, num_contexts: int, split: str,
                      path: str | None = None) -> list[Example]:
     rng = random.Random(f"{kind}-{split}-{SPLITS[split]}-{context_tokens}")
-    count = _TokenCounter(tokenizer)
+    count = TokenCounter(tokenizer)
     docs = haystack_documents(split, path)
     out: list[Example] = []
     for c in range(num_contexts):
@@ -234,7 +234,7 @@ def _long_qa(tokenizer, context_tokens: int, num_contexts: int, split: str, squa
 
     data = squad_articles(squad_path)
     rng = random.Random(f"long_qa-{split}-{SPLITS[split]}-{context_tokens}")
-    count = _TokenCounter(tokenizer)
+    count = TokenCounter(tokenizer)
     mine = heldout_articles(data, split)
     every_heldout = [i for i in range(len(data)) if i % 2 != TRAIN_PARITY]
     golds = [(ai, p["context"], [qa for qa in p["qas"] if not qa.get("is_impossible") and qa.get("answers")])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..data.prompt import PromptFormat
-from .tasks import Example
+from .examples import Example
 
 DOCS_INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not "
                     "output any other words.")

@@ -1,25 +1,12 @@
-"""Evaluation tasks: the JSONL format, built-in generators (SQuAD long-context QA, RULER-style needles).
+"""Evaluation tasks: built-in generators (SQuAD long-context QA, RULER-style needles).
 
-Task file format (one JSON object per line; bring your own)::
-
-    {"id": "q17",                       # unique string
-     "question": "Who ...?",            # asked after the context
-     "answers": ["Ann", "Ann Smith"],   # gold answers (at least one)
-     "documents": ["...", "..."],       # EITHER a list of documents (retrieval-style QA)
-     "context": "...",                  # OR one long text (split into chunks of --chunk-tokens)
-     "gold_docs": [3],                  # optional: indices of gold documents (evidence recall)
-     "gold_spans": [[1200, 1260]],      # optional, with "context": character spans of the evidence
-     "task": "squad",                   # optional: a name to group results by
-     "metric": "qa_f1",                 # optional primary metric: qa_f1 | exact_match | substring | rouge_l
-     "substring_mode": "any",           # optional: any | all | fraction (how several golds count)
-     "instruction": "..."}              # optional: replaces the default instruction line
+The example and its JSONL format: ``eval/examples.py``.
 
 Generators size the *context* (documents or haystack, without instruction and question) in tokens
 of the given tokenizer, and are seeded: the same arguments give the same file.
 
 Public task API (what the studies and training-data builders use; everything else is private):
-:class:`Example`, :func:`build_task`, :func:`resolve_tasks`, :func:`load_jsonl`, :func:`save_jsonl`,
-:func:`load_squad`, :func:`needle_question`, :func:`filler_sentences`, :data:`WORDS`,
+:func:`build_task`, :func:`resolve_tasks`, :func:`load_squad`, :func:`needle_question`, :func:`filler_sentences`, :data:`WORDS`,
 :data:`NEEDLE_INSTRUCTION`. Where an answer's evidence lies: ``eval.prompt.evidence_char_ranges``.
 """
 
@@ -29,105 +16,13 @@ import functools
 import json
 import random
 import re
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-_METRICS = {"qa_f1", "exact_match", "substring", "rouge_l"}
-_MODES = {"any", "all", "fraction"}
-__all__ = ["Example", "build_task", "resolve_tasks", "load_jsonl", "save_jsonl", "load_squad", "needle_question",
-           "filler_sentences", "WORDS", "NEEDLE_INSTRUCTION"]
+from .examples import Example, TokenCounter, load_jsonl
 
-
-@dataclass
-class Example:
-    """One evaluation example (see the module docstring for the JSONL fields)."""
-
-    id: str
-    question: str
-    answers: list[str]
-    context: str | None = None
-    documents: list[str] | None = None
-    gold_docs: list[int] | None = None
-    gold_spans: list[list[int]] | None = None
-    task: str = "custom"
-    metric: str = "qa_f1"
-    substring_mode: str = "any"
-    instruction: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        where = f"example {self.id!r}"
-        if not isinstance(self.question, str) or not self.question.strip():
-            raise ValueError(f"{where}: 'question' must be a non-empty string")
-        if not isinstance(self.answers, list) or not self.answers or not all(isinstance(a, str) for a in self.answers):
-            raise ValueError(f"{where}: 'answers' must be a non-empty list of strings")
-        if (self.context is None) == (self.documents is None):
-            raise ValueError(f"{where}: give exactly one of 'context' (string) or 'documents' (list of strings)")
-        if self.documents is not None and (not self.documents or not all(isinstance(d, str) for d in self.documents)):
-            raise ValueError(f"{where}: 'documents' must be a non-empty list of strings")
-        if self.gold_docs is not None:
-            if self.documents is None:
-                raise ValueError(f"{where}: 'gold_docs' needs 'documents' (use 'gold_spans' with 'context')")
-            bad = [i for i in self.gold_docs if not 0 <= i < len(self.documents)]
-            if bad:
-                raise ValueError(f"{where}: gold_docs {bad} out of range for {len(self.documents)} documents")
-        if self.gold_spans is not None:
-            if self.context is None:
-                raise ValueError(f"{where}: 'gold_spans' needs 'context'")
-            for span in self.gold_spans:
-                if len(span) != 2 or not 0 <= span[0] < span[1] <= len(self.context):
-                    raise ValueError(f"{where}: bad gold span {span} for a context of {len(self.context)} chars")
-        if self.metric not in _METRICS:
-            raise ValueError(f"{where}: metric must be one of {sorted(_METRICS)}, got {self.metric!r}")
-        if self.substring_mode not in _MODES:
-            raise ValueError(f"{where}: substring_mode must be one of {sorted(_MODES)}, got {self.substring_mode!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "") -> "Example":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{where}unknown field(s) {unknown}; known fields: {sorted(known)}")
-        missing = [k for k in ("id", "question", "answers") if k not in d]
-        if missing:
-            raise ValueError(f"{where}missing field(s) {missing}")
-        return cls(**{**d, "id": str(d["id"])})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
-
-
-def load_jsonl(path: str | Path) -> list[Example]:
-    """Read a task file; errors name the file and line."""
-    from ..data.readers import read_jsonl_strict
-
-    out = [Example.from_dict(r.data, where=f"{r.where}: ") for r in read_jsonl_strict(path)]
-    if not out:
-        raise ValueError(f"{path}: no examples")
-    ids = [e.id for e in out]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: duplicate example ids")
-    return out
-
-
-def save_jsonl(examples: Iterable[Example], path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for e in examples:
-            f.write(json.dumps(e.to_dict(), ensure_ascii=False) + "\n")
-
-
-class _TokenCounter:
-    """Counts tokens of strings with a tokenizer, memoised (generators count many paragraphs)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[str, int] = {}
-
-    def __call__(self, text: str) -> int:
-        if text not in self.cache:
-            self.cache[text] = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self.cache[text]
+__all__ = ["build_task", "resolve_tasks", "load_squad", "needle_question", "filler_sentences", "WORDS",
+           "NEEDLE_INSTRUCTION"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +50,7 @@ def squad_qa(tokenizer, context_tokens: int, num_examples: int, seed: int = 0, p
     """
     data = load_squad(path)
     rng = random.Random(seed)
-    count = _TokenCounter(tokenizer)
+    count = TokenCounter(tokenizer)
     paragraphs = [(ai, p["context"]) for ai, art in enumerate(data) for p in art["paragraphs"]]
     golds = [
         (ai, p["context"], [qa for qa in p["qas"] if not qa.get("is_impossible") and qa["answers"]])
@@ -221,7 +116,7 @@ def filler_sentences() -> list[str]:
     return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.strip()) > 20]
 
 
-def _haystack(rng: random.Random, count: _TokenCounter, sentences: list[str], budget: int) -> list[str]:
+def _haystack(rng: random.Random, count: TokenCounter, sentences: list[str], budget: int) -> list[str]:
     """Consecutive filler sentences from a seeded start, up to ``budget`` tokens (wrapping around)."""
     start = rng.randrange(len(sentences))
     out: list[str] = []
@@ -265,7 +160,7 @@ def _key(rng: random.Random) -> str:
 def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: int, seed: int,
                      num_needles: int = 4, num_hops: int = 4, questions_per_context: int = 1) -> list[Example]:
     rng = random.Random(f"{kind}-{seed}")
-    count = _TokenCounter(tokenizer)
+    count = TokenCounter(tokenizer)
     sentences = filler_sentences()
     instruction = NEEDLE_INSTRUCTION
     out: list[Example] = []
@@ -315,7 +210,7 @@ def _needle_examples(kind: str, tokenizer, context_tokens: int, num_examples: in
     return out
 
 
-def _assemble_in_order(rng: random.Random, count: _TokenCounter, sentences: list[str], budget: int,
+def _assemble_in_order(rng: random.Random, count: TokenCounter, sentences: list[str], budget: int,
                        needles: list[str]) -> tuple[str, list[list[int]]]:
     """Like ``_assemble`` but the needles keep their order (a variable is assigned before it is used)."""
     filler = _haystack(rng, count, sentences, budget)

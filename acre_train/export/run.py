@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..infer.settings import SELECTION_KEYS
+from ..modeling.selection import SELECTION_KEYS
 from ..modeling.geometry import WindowGeometry
 
 

@@ -1,27 +1,11 @@
-"""The bi-layer cache of one context (DESIGN.md §5 "Build"), its fingerprint, and save/load.
-
-Layout (batch size 1, every tensor per layer stacked on dim 0):
-
-* **L1** (on the model's device): pre-RoPE keys ``l1_keys [L, H_kv, m, D]``, values ``l1_values``, and
-  the keys rotated at their memory positions ``j = 0..m-1`` (``l1_keys_rot``, what later chunks and
-  the scoring pass see).
-* **L2** (CPU memory): pre-RoPE keys/values ``[L, H_kv, N2, D]`` of every raw token of the finished
-  chunks, in text order. L1 entry ``j`` stands for ``l2[span_bounds[j]:span_bounds[j+1]]`` (the raw
-  tokens since the previous L1 token); ``l2[span_bounds[m]:]`` are *pending* raw tokens whose L1
-  token would fall in the unfinished chunk (only when chunk sizes are not multiples of ``l``).
-* **Tail**: the token ids of the unfinished last chunk; they are re-run with every question over its
-  refilled cache, which continues that open chunk. Their KV over the L1 memory alone (``tail_keys``,
-  ``tail_values``) is kept too: every question's scoring pass starts from it.
-* **Key boxes** (for the ``bounds`` scorer, modeling/ranking.py): per scoring layer, the per-span min
-  and max of the raw keys rotated at their text positions (``[H_kv, m, D]`` each, on the device),
-  made on first use or by ``AcreEngine.build`` and saved with the cache.
-"""
+"""Building a context's bi-layer cache (DESIGN.md §5 "Build"; the cache's data and layout are
+``modeling/bilayer.py``), its fingerprint, and saving and loading it (``save_cache``, ``load_cache``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,10 +13,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..files import atomic_path
 from ..modeling.adapter import acre_forward
-from ..modeling.interleave import chunk_bounds, interleave
+from ..modeling.bilayer import BiLayerCache, CacheSettings, finished_chunks, finished_length, span_layout
+from ..modeling.interleave import interleave
 from ..modeling.rope import Rope
-from .settings import CacheSettings
 
 CACHE_FORMAT = "acre-bilayer-cache/1"
 
@@ -45,175 +30,78 @@ class ContextTooLongError(ValueError):
     """The context does not fit what the model and settings allow."""
 
 
-@dataclass
-class BiLayerCache:
-    """The query-independent cache of one context; reusable for any number of questions."""
+# ---------------------------------------------------------------------------------- save/load
 
-    settings: CacheSettings
-    fingerprint: str
-    l1_keys: torch.Tensor
-    l1_keys_rot: torch.Tensor
-    l1_values: torch.Tensor
-    l2_keys: torch.Tensor
-    l2_values: torch.Tensor
-    span_bounds: torch.Tensor  # [m + 1] int64, offsets into the L2 token axis
-    tail_ids: list[int]
-    carry: int  # raw tokens counted towards the next L1 group when the tail starts
-    num_context_tokens: int
-    context_digest: str = ""  # SHA-256 of the context's token ids: a saved cache names what it holds
-    boxes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # "layer:sinks" -> (min, max)
-    # The raw tail's plan run once over the L1 memory at build time (AcreEngine.build), its pre-RoPE keys
-    # and values [L, H_kv, n_tail_plan, D]: what every question's scoring pass sees before its own tokens,
-    # and (AcreEngine(close_tail=True)) what the prefill reuses. None: no tail, or a cache built without
-    # an engine (the scoring pass then runs the tail itself).
-    tail_keys: torch.Tensor | None = None
-    tail_values: torch.Tensor | None = None
-    # [N2] bool: the L2 tokens that end a sentence (infer/sentences.py), for refill.grow_shape=sentences;
-    # set by an engine that has the tokenizer. None: not known (built from ids alone).
-    sentence_ends: torch.Tensor | None = None
-    # Scoring layer -> (the L2 keys it was made from, those keys rotated at text positions): see
-    # l2_keys_rotated. Not saved; remade on first use.
-    rotated: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+def save_cache(cache: BiLayerCache, path: str | Path) -> Path:
+    """Write ``cache`` to one ``.safetensors`` file; its metadata carries the fingerprint."""
+    from safetensors.torch import save_file
 
-    def tail_plan(self):
-        """The raw tail interleaved as the start of the open chunk (what every question continues)."""
-        n = max(len(self.tail_ids), 1)
-        return interleave(self.tail_ids, first_chunk=n, stride=n, intervals=self.settings.interval, carry_in=self.carry)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "l1_keys": cache.l1_keys, "l1_values": cache.l1_values,
+        "l2_keys": cache.l2_keys, "l2_values": cache.l2_values, "span_bounds": cache.span_bounds,
+        "tail_ids": torch.tensor(cache.tail_ids, dtype=torch.int64),
+    }
+    for name, (low, high) in cache.boxes.items():
+        tensors[f"box.{name}.min"], tensors[f"box.{name}.max"] = low, high
+    if cache.tail_keys is not None:
+        tensors["tail_keys"], tensors["tail_values"] = cache.tail_keys, cache.tail_values
+    if cache.sentence_ends is not None:
+        tensors["sentence_ends"] = cache.sentence_ends.to(torch.bool)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    meta = {"format": CACHE_FORMAT, "fingerprint": cache.fingerprint, "settings": cache.settings.as_dict(),
+            "carry": cache.carry, "num_context_tokens": cache.num_context_tokens,
+            "context_digest": cache.context_digest, "checksum": tensors_digest(tensors)}
+    with atomic_path(path) as tmp:  # a half-written cache never carries the final name
+        save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
+    return path
 
-    @property
-    def context_tokens(self) -> int:
-        """The context's length in tokens (finished raw tokens and the open tail): what length bands read."""
-        return int(self.span_bounds[-1]) + len(self.tail_ids) if len(self.span_bounds) else len(self.tail_ids)
 
-    @property
-    def num_l1(self) -> int:
-        return int(self.l1_keys.shape[2])
+def load_cache(path: str | Path, model: nn.Module, settings: CacheSettings) -> BiLayerCache:
+    """Load a saved cache for ``model`` and ``settings``; a cache built otherwise is an error."""
+    from safetensors import safe_open
 
-    @property
-    def num_l2(self) -> int:
-        return int(self.l2_keys.shape[2])
-
-    @property
-    def num_pending(self) -> int:
-        return self.num_l2 - int(self.span_bounds[-1])
-
-    def l2_keys_rotated(self, model: nn.Module, layer: int) -> torch.Tensor:
-        """One layer's raw keys ``[H_kv, N2, D]`` rotated at their text positions ``0..N2-1``, on the
-        model's device: what the ``l2`` scorer reads every question. Made at the first question and kept
-        (``rotated``): a scoring layer's copy is ``1 / num_layers`` of the L2 keys, and re-making it cost
-        every question a pass over them (0.4 s at 128K tokens on 2 cores)."""
-        made = self.rotated.get(layer)
-        if made is None or made[0] is not self.l2_keys:  # (a copy of this cache with other L2 keys remakes it)
-            keys = self.l2_keys[layer].to(self.l1_keys.device, non_blocking=True)
-            made = self.rotated[layer] = (self.l2_keys, Rope.of(model).rotate(keys, torch.arange(self.num_l2)))
-        return made[1]
-
-    def sink_tokens(self, sinks: int) -> torch.Tensor:
-        """``[N2]`` bool: the first ``sinks`` tokens of the context and of every chunk."""
-        from ..modeling.scoring import sink_mask
-
-        return sink_mask(self.num_l2, self.settings.first_chunk, self.settings.stride, sinks)
-
-    def key_box(self, model: nn.Module, layer: int, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``bounds`` scorer's per-span key box at ``layer`` (sink tokens left out), made once."""
-        from ..modeling.scoring import key_bounds
-
-        name = f"{layer}:{sinks}"
-        if name not in self.boxes:
-            ignore = self.sink_tokens(sinks) if sinks else None
-            low, high = key_bounds(self.l2_keys_rotated(model, layer), self.span_bounds, ignore)
-            self.boxes[name] = (low.to(self.l1_keys.device), high.to(self.l1_keys.device))
-        return self.boxes[name]
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held on the accelerator (L1, key boxes, the scoring layers' rotated raw keys) and in CPU
-        memory (L2)."""
-        boxes = [t for pair in self.boxes.values() for t in pair]
-        l1 = sum(t.numel() * t.element_size() for t in (self.l1_keys, self.l1_keys_rot, self.l1_values, *boxes,
-                                                        *(made for _, made in self.rotated.values())))
-        l2 = sum(t.numel() * t.element_size() for t in (self.l2_keys, self.l2_values))
-        return {"l1": l1, "l2": l2}
-
-    def summary(self) -> str:
-        sizes = self.nbytes()
-        return (f"{self.num_context_tokens} context tokens -> {self.num_l1} L1 entries "
-                f"({sizes['l1'] / 2**20:.1f} MiB on {self.l1_keys.device}), {self.num_l2} L2 tokens "
-                f"({sizes['l2'] / 2**20:.1f} MiB on cpu), raw tail of {len(self.tail_ids)} tokens")
-
-    # ---------------------------------------------------------------------------------- save/load
-
-    def save(self, path: str | Path) -> Path:
-        """Write the cache to one ``.safetensors`` file; its metadata carries the fingerprint."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            "l1_keys": self.l1_keys, "l1_values": self.l1_values,
-            "l2_keys": self.l2_keys, "l2_values": self.l2_values, "span_bounds": self.span_bounds,
-            "tail_ids": torch.tensor(self.tail_ids, dtype=torch.int64),
-        }
-        for name, (low, high) in self.boxes.items():
-            tensors[f"box.{name}.min"], tensors[f"box.{name}.max"] = low, high
-        if self.tail_keys is not None:
-            tensors["tail_keys"], tensors["tail_values"] = self.tail_keys, self.tail_values
-        if self.sentence_ends is not None:
-            tensors["sentence_ends"] = self.sentence_ends.to(torch.bool)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        meta = {"format": CACHE_FORMAT, "fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
-                "carry": self.carry, "num_context_tokens": self.num_context_tokens,
-                "context_digest": self.context_digest, "checksum": tensors_digest(tensors)}
-        from ..files import atomic_path
-
-        with atomic_path(path) as tmp:  # a half-written cache never carries the final name
-            save_file(tensors, str(tmp), metadata={"acre_cache": json.dumps(meta)})
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path, model: nn.Module, settings: CacheSettings) -> "BiLayerCache":
-        """Load a saved cache for ``model`` and ``settings``; a cache built otherwise is an error."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no cache file at {path}")
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
-            raise CacheMismatchError(f"{path} is not a readable cache file ({exc}); rebuild it") from exc
-        with handle as f:
-            raw_meta = (f.metadata() or {}).get("acre_cache")
-            if raw_meta is None:
-                raise CacheMismatchError(f"{path} is not an ACRE bi-layer cache (no 'acre_cache' metadata)")
-            meta = json.loads(raw_meta)
-            if meta.get("format") != CACHE_FORMAT:
-                raise CacheMismatchError(f"{path}: cache format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
-            if meta["settings"] != settings.as_dict():
-                raise CacheMismatchError(
-                    f"{path} was built with settings {meta['settings']}, but this run uses {settings.as_dict()}; "
-                    "rebuild the cache or use the settings it was built with")
-            expected = fingerprint(model, settings)
-            if meta["fingerprint"] != expected:
-                raise CacheMismatchError(
-                    f"{path} was built by another model (fingerprint {meta['fingerprint'][:12]}, this model "
-                    f"{expected[:12]}: different weights, dtype or architecture); rebuild the cache")
-            t = {k: f.get_tensor(k) for k in f.keys()}
-        if meta.get("checksum") and tensors_digest(t) != meta["checksum"]:
-            raise CacheMismatchError(f"{path}: the stored tensors do not match their checksum (a damaged file); rebuild it")
-        device = _device_of(model)
-        l1_keys = t["l1_keys"].to(device)
-        boxes = {key[4:-4]: (t[key].to(device), t[key[:-4] + ".max"].to(device))
-                 for key in t if key.startswith("box.") and key.endswith(".min")}
-        return cls(
-            settings=settings, fingerprint=meta["fingerprint"], l1_keys=l1_keys,
-            l1_keys_rot=Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])),
-            l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
-            span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
-            num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
-            boxes=boxes, tail_keys=t["tail_keys"].to(device) if "tail_keys" in t else None,
-            tail_values=t["tail_values"].to(device) if "tail_values" in t else None,
-            sentence_ends=t.get("sentence_ends"),
-        )
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no cache file at {path}")
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
+        raise CacheMismatchError(f"{path} is not a readable cache file ({exc}); rebuild it") from exc
+    with handle as f:
+        raw_meta = (f.metadata() or {}).get("acre_cache")
+        if raw_meta is None:
+            raise CacheMismatchError(f"{path} is not an ACRE bi-layer cache (no 'acre_cache' metadata)")
+        meta = json.loads(raw_meta)
+        if meta.get("format") != CACHE_FORMAT:
+            raise CacheMismatchError(f"{path}: cache format {meta.get('format')!r}, expected {CACHE_FORMAT!r}")
+        if meta["settings"] != settings.as_dict():
+            raise CacheMismatchError(
+                f"{path} was built with settings {meta['settings']}, but this run uses {settings.as_dict()}; "
+                "rebuild the cache or use the settings it was built with")
+        expected = fingerprint(model, settings)
+        if meta["fingerprint"] != expected:
+            raise CacheMismatchError(
+                f"{path} was built by another model (fingerprint {meta['fingerprint'][:12]}, this model "
+                f"{expected[:12]}: different weights, dtype or architecture); rebuild the cache")
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("checksum") and tensors_digest(t) != meta["checksum"]:
+        raise CacheMismatchError(f"{path}: the stored tensors do not match their checksum (a damaged file); rebuild it")
+    device = _device_of(model)
+    l1_keys = t["l1_keys"].to(device)
+    boxes = {key[4:-4]: (t[key].to(device), t[key[:-4] + ".max"].to(device))
+             for key in t if key.startswith("box.") and key.endswith(".min")}
+    return BiLayerCache(
+        settings=settings, fingerprint=meta["fingerprint"], l1_keys=l1_keys,
+        l1_keys_rot=Rope.of(model).rotate(l1_keys, torch.arange(l1_keys.shape[2])),
+        l1_values=t["l1_values"].to(device), l2_keys=t["l2_keys"], l2_values=t["l2_values"],
+        span_bounds=t["span_bounds"], tail_ids=t["tail_ids"].tolist(), carry=int(meta["carry"]),
+        num_context_tokens=int(meta["num_context_tokens"]), context_digest=meta.get("context_digest", ""),
+        boxes=boxes, tail_keys=t["tail_keys"].to(device) if "tail_keys" in t else None,
+        tail_values=t["tail_values"].to(device) if "tail_values" in t else None,
+        sentence_ends=t.get("sentence_ends"),
+    )
 
 
 # ------------------------------------------------------------------------------------ fingerprint
@@ -242,18 +130,6 @@ def fingerprint(model: nn.Module, settings: CacheSettings, sample: int = 1024) -
 
 
 # ----------------------------------------------------------------------------------------- build
-
-def finished_chunks(num_raw: int, settings: CacheSettings) -> tuple[int, int]:
-    """(number of finished chunks, raw tokens they hold); a chunk is finished when it is full."""
-    bounds = chunk_bounds(num_raw, settings.first_chunk, settings.stride)
-    done = 0
-    for t, (start, end) in enumerate(bounds):
-        full = settings.first_chunk if t == 0 else settings.stride
-        if end - start < full:
-            break
-        done = t + 1
-    return done, (bounds[done - 1][1] if done else 0)
-
 
 def check_context(model: nn.Module, num_raw: int, settings: CacheSettings, working_window: int | None) -> None:
     """Raise ``ContextTooLongError`` before any work when a context cannot be served."""
@@ -313,7 +189,7 @@ def build_cache(
     device = _device_of(model)
     plan = interleave(ids, first_chunk=settings.first_chunk, stride=settings.stride, intervals=settings.interval)
     done, raw_done = finished_chunks(len(ids), settings)
-    store = _BuildStore.allocate(model, raw_done, int(plan.is_l1[: _finished_len(plan, done)].sum()), device)
+    store = _BuildStore.allocate(model, raw_done, int(plan.is_l1[: finished_length(plan, done)].sum()), device)
     rope = Rope.of(model)
     for t in _chunk_range(done, progress):
         sel = plan.chunk_ids == t
@@ -424,22 +300,6 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def span_layout(plan, done: int, raw_done: int) -> tuple[np.ndarray, int]:
-    """``(span bounds [m + 1], carry)`` of a context plan's ``done`` finished chunks (``raw_done`` raw
-    tokens): L1 entry ``j`` owns L2 tokens ``bounds[j]:bounds[j + 1]``; ``carry`` raw tokens after the
-    last entry count towards the next L1 group (training's refilled layout uses the same rule)."""
-    finished = plan.raw_index[: _finished_len(plan, done)]
-    l1_slots = np.nonzero(finished < 0)[0]
-    # Raw tokens before each L1 token of the finished chunks = the end of its span on the L2 axis.
-    span_ends = l1_slots - np.arange(len(l1_slots))
-    return np.concatenate([[0], span_ends]).astype(np.int64), raw_done - int(span_ends[-1] if len(span_ends) else 0)
-
-
-def _finished_len(plan, done: int) -> int:
-    """Interleaved length of the first ``done`` chunks."""
-    return int((plan.chunk_ids < done).sum())
 
 
 def _kv_shape(model: nn.Module) -> tuple[int, int]:

@@ -88,7 +88,9 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> int:
         cache = engine.build(text, progress=args.progress)
         print(f"built cache in {time.perf_counter() - tic:.2f}s")
         if args.save_cache:
-            print(f"saved cache to {cache.save(args.save_cache)}")
+            from .cache import save_cache
+
+            print(f"saved cache to {save_cache(cache, args.save_cache)}")
     print(cache.summary())
     print(f"settings: {engine.cache_settings}, W={engine.refill.working_window}, eta={engine.refill.max_refill}, "
           f"scorer {engine.refill.describe_selection()}")

@@ -15,23 +15,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..modeling.adapter import acre_forward
-from ..modeling.interleave import interleave
-from .cache import (BiLayerCache, CacheMismatchError, ContextTooLongError, build_cache, fingerprint,
-                    max_context_tokens)
 from ..data.prompt import PromptFormat
-from .decode import decode
-from .placement import execution_device
-from .refill import assemble, num_selected
-from ..modeling.rope import Rope
-from ..modeling.sdpa import grouped_kv_sdpa
+from ..modeling.bilayer import BiLayerCache, CacheSettings, num_selected
+from ..modeling.interleave import interleave
 from ..modeling.ranking import QuestionQueries, choose_refill, rank_spans
+from ..modeling.rope import Rope
 from ..modeling.scorer_spec import ScorerSettings
 from ..modeling.scoring import spans_with
-from ..modeling.span_choice import span_tokens
-from .sentences import sentence_ends
+from ..modeling.scoring_pass import open_chunk_plan, question_queries, run_open_chunk, slice_plan
 from ..modeling.selection import SELECTION_KEYS
-from .settings import CacheSettings, RefillSettings
+from ..modeling.span_choice import span_tokens
+from .cache import CacheMismatchError, ContextTooLongError, build_cache, fingerprint, load_cache, max_context_tokens
+from .decode import decode
+from .placement import execution_device
+from .refill import assemble
+from .sentences import sentence_ends
+from .settings import RefillSettings
 
 
 @dataclass
@@ -59,10 +58,6 @@ class Answer:
                 f"score {t.get('score_s', 0):.3f}s, refill {t.get('refill_s', 0):.3f}s, "
                 f"query {t.get('prefill_s', 0):.3f}s, decode {t.get('decode_s', 0):.3f}s "
                 f"({len(self.token_ids)} tokens)")
-
-
-class _StopForward(Exception):
-    """Raised from a capture hook once the last scoring layer has been seen (skips the rest)."""
 
 
 class _KV:
@@ -169,7 +164,7 @@ class AcreEngine:
         return "".join(pieces)
 
     def load_cache(self, path) -> BiLayerCache:
-        return BiLayerCache.load(path, self.model, self.cache_settings)
+        return load_cache(path, self.model, self.cache_settings)
 
     # ------------------------------------------------------------------------------------ answer
 
@@ -264,10 +259,8 @@ class AcreEngine:
     def open_chunk(self, cache: BiLayerCache, q_ids: Sequence[int], settings: RefillSettings | None = None):
         """``(plan, k)``: the raw tail + question interleaved as one open chunk, and the spans to refill."""
         settings = settings or self.refill
-        interval = self.cache_settings.interval
-        raw = cache.tail_ids + list(q_ids)
-        plan = interleave(raw, first_chunk=len(raw), stride=len(raw), intervals=interval, carry_in=cache.carry)
-        return plan, num_selected(cache.num_l1, interval, settings.working_window, settings.max_refill)
+        k = num_selected(cache.num_l1, self.cache_settings.interval, settings.working_window, settings.max_refill)
+        return open_chunk_plan(cache, q_ids), k
 
     def scores(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int] = (-1,),
                scorer: ScorerSettings | str | None = None) -> torch.Tensor:
@@ -279,54 +272,9 @@ class AcreEngine:
         return rank_spans(self.model, cache, queries, scorer)
 
     def question_queries(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int]) -> QuestionQueries:
-        """The question's query states at ``layers`` (indices ``0..L-1``) for ranking spans.
-
-        The tail and question run as the open chunk over the L1 cache alone, exactly as the training
-        plan has it (L1 keys at memory positions ``j``, the chunk at ``m + i``); the question's raw
-        tokens' rotated queries are taken, and the forward stops after the last wanted layer. The tail's
-        part of that pass is the same for every question: the build ran it once and kept its KV
-        (``cache.tail_keys``), so only the question's tokens run here.
-        """
-        wanted = sorted(set(layers))
-        m = cache.num_l1
-        tail_len = 0
-        if cache.tail_keys is not None:  # run only the question, after the closed tail's KV
-            tail_len = cache.tail_keys.shape[2]
-            question = _slice_plan(plan, tail_len)
-            tail_rot = Rope.of(self.model).rotate(cache.tail_keys, torch.arange(m, m + tail_len))
-            prefix_kv = lambda layer: (torch.cat([cache.l1_keys_rot[layer], tail_rot[layer]], 1)[None],  # noqa: E731
-                                       torch.cat([cache.l1_values[layer], cache.tail_values[layer]], 1)[None])
-        rows_np = np.nonzero(plan.raw_index >= num_tail)[0]
-        rows = torch.as_tensor(rows_np, device=self.device)
-        queries: dict[int, torch.Tensor] = {}
-
-        def capture(layer: int, query: torch.Tensor, _key: torch.Tensor, _value: torch.Tensor) -> None:
-            if layer in wanted:
-                queries[layer] = query[0].index_select(1, rows)
-                if layer == wanted[-1]:
-                    raise _StopForward
-
-        run_rows = torch.as_tensor(rows_np - tail_len, device=self.device)
-
-        def capture_run(layer: int, query: torch.Tensor, _key: torch.Tensor, _value: torch.Tensor) -> None:
-            if layer in wanted:
-                queries[layer] = query[0].index_select(1, run_rows)
-                if layer == wanted[-1]:
-                    raise _StopForward
-
-        try:
-            if cache.tail_keys is not None:
-                self._forward(question, offset=m + tail_len, prefix=prefix_kv, capture=capture_run)
-            else:
-                self._forward(plan, offset=m, prefix=lambda layer: (cache.l1_keys_rot[layer][None],
-                                                                    cache.l1_values[layer][None]), capture=capture)
-        except _StopForward:
-            pass
-        q_ids = plan.input_ids[rows_np].tolist()
-        return QuestionQueries(by_layer=queries,
-                               memory_positions=torch.as_tensor(plan.positions[rows_np] + m, dtype=torch.long),
-                               text_positions=torch.as_tensor(plan.raw_index[rows_np] + cache.num_l2, dtype=torch.long),
-                               find_own=lambda: self.prompt.question_words(q_ids))
+        """The question's query states at ``layers`` (``modeling/scoring_pass.py:question_queries``)."""
+        return question_queries(self.model, cache, plan, num_tail=num_tail, layers=layers, device=self.device,
+                                backend=self.backend, find_own=self.prompt.question_words)
 
     # --------------------------------------------------------------------------------- internals
 
@@ -347,22 +295,11 @@ class AcreEngine:
 
     def _question_plan(self, cache: BiLayerCache, q_ids: Sequence[int]):
         """The question's part of the open chunk, positions from 0 (after the closed tail)."""
-        return _slice_plan(self.open_chunk(cache, q_ids)[0], cache.tail_keys.shape[2])
+        return slice_plan(self.open_chunk(cache, q_ids)[0], cache.tail_keys.shape[2])
 
     def _forward(self, plan, *, offset: int, prefix, capture, want_hidden: bool = False) -> torch.Tensor | None:
-        """Run ``plan`` (one open chunk) at positions ``offset + i`` over a KV ``prefix`` of ``offset`` keys."""
-        n = len(plan)
-        positions = torch.as_tensor(plan.positions, device=self.device)[None] + offset
-        memory = torch.where(torch.as_tensor(plan.is_l1, device=self.device)[None], positions, -1)
-        with torch.no_grad(), grouped_kv_sdpa(self.device):
-            out = acre_forward(
-                self.model, input_ids=torch.as_tensor(plan.input_ids, device=self.device)[None],
-                is_l1=torch.as_tensor(plan.is_l1, device=self.device)[None],
-                chunk_ids=torch.zeros(1, n, dtype=torch.long, device=self.device), positions=positions,
-                memory_positions=memory, kernel="chunked", backend=self.backend, prefix=prefix,
-                capture=capture,
-            )
-        return out.hidden_states if want_hidden else None
+        return run_open_chunk(self.model, plan, offset=offset, prefix=prefix, capture=capture, device=self.device,
+                              backend=self.backend, want_hidden=want_hidden)
 
     def _run_and_extend(self, kv: _KV, plan) -> torch.Tensor:
         """Run ``plan`` after ``kv``, append its KV (rotated at its positions), return the hidden states."""
@@ -412,12 +349,3 @@ class AcreEngine:
                 f"{max_new} new tokens need {needed} positions, the model has {limit}; lower W / max_refill, "
                 "max_new_tokens, or the stride")
 
-
-def _slice_plan(plan, start: int):
-    """Rows ``start:`` of a one-chunk plan, positions renumbered from 0 (the rows before become a KV prefix)."""
-    from dataclasses import replace
-
-    cut = {name: getattr(plan, name)[start:] for name in
-           ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions", "labels", "raw_index")}
-    cut["positions"] = cut["positions"] - start
-    return replace(plan, **cut)

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ..modeling.bilayer import CacheSettings
 from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
 from ..modeling.scorer_spec import ScorerSettings
-from ..modeling.selection import SELECTION_KEYS, LengthBands, Selection, stored_selection
+from ..modeling.selection import LengthBands, Selection, stored_selection
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
 _PAPER = WindowGeometry()  # the defaults where an export stores none
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """What a built cache depends on (besides the model): part of the cache fingerprint."""
-
-    first_chunk: int = _PAPER.first_chunk
-    stride: int = _PAPER.stride
-    interval: int = _PAPER.interval
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if int(getattr(self, f.name)) < 1:
-                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from .adapter import (
 )
 from .interleave import IGNORE_INDEX, InterleavePlan, chunk_bounds, interleave, num_chunks, sample_intervals
 from .visibility import KERNELS, visible
+from . import ranking  # noqa: E402,F401  registers the package's scorer kinds (modeling/scorer_spec.py:SCORER_KINDS)
 
 __all__ = [
     "IGNORE_INDEX", "InterleavePlan", "chunk_bounds", "interleave", "num_chunks", "sample_intervals",

@@ -217,7 +217,7 @@ def _flag(value: Any) -> bool:
 # ------------------------------------------------------------------------------ the scorer kinds
 
 class ScoringCache(Protocol):
-    """What a scorer may read from a cache (``infer/cache.py:BiLayerCache`` is one)."""
+    """What a scorer may read from a cache (``modeling/bilayer.py:BiLayerCache`` is one)."""
 
     span_bounds: torch.Tensor  # [m + 1] token offsets of the spans
     l1_keys_rot: Sequence[torch.Tensor]  # per layer [H_kv, m, D], rotated at their memory positions
@@ -275,7 +275,6 @@ def scorer_kind(cls: type[ScorerKind]) -> type[ScorerKind]:
 
 
 def scorer_kinds() -> dict[str, ScorerKind]:
-    """Every registered kind (the package's own register when ``modeling/ranking.py`` is imported)."""
-    from . import ranking  # noqa: F401  (registers l1, l2, bounds)
-
+    """Every registered kind. The package's own (``l1``, ``l2``, ``bounds``, in ``modeling/ranking.py``)
+    register when ``acre_train.modeling`` is imported, which any import of this module does first."""
     return SCORER_KINDS

@@ -32,15 +32,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..infer.cache import BiLayerCache, finished_chunks, span_layout
-from ..infer.refill import refill_layout
+from ..modeling.bilayer import (BiLayerCache, CacheSettings, finished_chunks, num_selected, refill_layout,
+                                span_layout)
+from ..modeling.interleave import IGNORE_INDEX, interleave
 from ..modeling.ranking import choose_refill
+from ..modeling.rope import Rope
 from ..modeling.scorer_spec import ScorerSettings
 from ..modeling.scoring import spans_with
+from ..modeling.scoring_pass import open_chunk_plan, question_queries
 from ..modeling.span_choice import span_tokens
-from ..infer.settings import CacheSettings, RefillSettings
-from ..modeling.interleave import IGNORE_INDEX, interleave
-from ..modeling.rope import Rope
 
 PLAN = ("input_ids", "is_l1", "chunk_ids", "positions", "memory_positions")
 
@@ -68,10 +68,6 @@ class SimSettings:
 
     def cache_settings(self) -> CacheSettings:
         return CacheSettings(self.first_chunk, self.stride, self.interval)
-
-    def refill(self) -> RefillSettings:
-        return RefillSettings(working_window=self.working_window, max_refill=self.max_refill, scorer=self.scorer,
-                              neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape)
 
 
 # ------------------------------------------------------------------------------- one sample, numpy
@@ -183,7 +179,6 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
     fixes question ``j``'s spans or tokens (a bool mask; tests, oracle studies); otherwise they are chosen
     as inference does.
     """
-    from ..infer.engine import AcreEngine
     from ..modeling.adapter import acre_forward
 
     device = next(model.parameters()).device
@@ -198,7 +193,6 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
     if len(ctx_is_l1):
         acre_forward(model, **{k: sample[f"ctx_{k}"].to(device)[None] for k in PLAN}, kernel=kernel, capture=capture)
     cache = _cache_view(model, keys, values, ctx_is_l1, sample, settings)
-    engine = AcreEngine(model, cache_settings=settings.cache_settings(), refill=settings.refill())
     results = []
     m = cache.num_l1
     for j in range(int(sample["scalars"][2])):
@@ -206,7 +200,7 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
         q_ids = sample["question_ids"][int(bounds[j]) : int(bounds[j + 1])].tolist()
         if selected is None:
             evidence = sample["evidence_spans"][j * m : (j + 1) * m].bool().cpu() if bool(sample["force"][j]) else None
-            chosen = choose(engine, cache, q_ids, settings, evidence=evidence)
+            chosen = choose(model, cache, q_ids, settings, evidence=evidence)
         else:
             fixed = selected[j]
             chosen = fixed.cpu() if isinstance(fixed, torch.Tensor) and fixed.dtype == torch.bool else \
@@ -228,22 +222,24 @@ def sim_forward(model: nn.Module, sample: dict[str, torch.Tensor], settings: Sim
     return results
 
 
-def choose(engine, cache: BiLayerCache, q_ids: list[int], settings: SimSettings, *,
+def choose(model: nn.Module, cache: BiLayerCache, q_ids: list[int], settings: SimSettings, *,
            evidence: torch.Tensor | None = None) -> torch.Tensor:
     """What inference would refill for this question, as a ``[N_closed]`` bool token mask (``evidence``
-    ``[m]`` bool: those spans first)."""
-    plan, k = engine.open_chunk(cache, q_ids)
-    if settings.k is not None:
-        k = max(0, min(settings.k, cache.num_l1))
+    ``[m]`` bool: those spans first): inference's ``k`` (or ``settings.k``), the same scoring pass and
+    the same choice (``AcreEngine.answer``)."""
     m = cache.num_l1
+    k = num_selected(m, settings.interval, settings.working_window, settings.max_refill)
+    if settings.k is not None:
+        k = max(0, min(settings.k, m))
     if not 0 < k < m:
         return span_tokens(cache.span_bounds, torch.arange(k))
     scorer = settings.scorer
     forced = evidence if evidence is not None and bool(evidence.any()) else None
     with torch.no_grad():
-        queries = engine.question_queries(cache, plan, num_tail=len(cache.tail_ids),
-                                          layers=scorer.resolved_layers(engine.model.config.num_hidden_layers))
-        _, tokens = choose_refill(engine.model, cache, queries, scorer, k, neighbors=settings.neighbors,
+        queries = question_queries(model, cache, open_chunk_plan(cache, q_ids), num_tail=len(cache.tail_ids),
+                                   layers=scorer.resolved_layers(model.config.num_hidden_layers),
+                                   device=cache.l1_keys.device)
+        _, tokens = choose_refill(model, cache, queries, scorer, k, neighbors=settings.neighbors,
                                   grow=settings.grow, grow_shape=settings.grow_shape, forced=forced)
     return tokens
 

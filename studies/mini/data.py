@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from acre_train.eval.prompt import CONTEXT_INSTRUCTION, DOCS_INSTRUCTION
-from acre_train.eval.tasks import Example, build_task
+from acre_train.eval.examples import Example
+from acre_train.eval.tasks import build_task
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

@@ -28,7 +28,8 @@ sys.path.insert(0, str(HERE))
 import ladder  # noqa: E402
 import run as scorer_study  # noqa: E402
 from acre_train.infer import engine as engine_module  # noqa: E402
-from acre_train.infer.refill import Assembled, refill_layout  # noqa: E402
+from acre_train.infer.refill import Assembled  # noqa: E402
+from acre_train.modeling.bilayer import refill_layout  # noqa: E402
 from acre_train.modeling.rope import Rope  # noqa: E402
 
 
