@@ -1,4 +1,4 @@
-"""The examples in the refill modules' docstrings are run, so they cannot drift from the code."""
+"""The examples in the refill and cache modules' docstrings are run, so they cannot drift from the code."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["acre_train.modeling.scorer_spec", "acre_train.modeling.scoring", "acre_train.modeling.span_choice", "acre_train.infer.refill", "acre_train.infer.settings",
+MODULES = ["acre_train.modeling.scorer_spec", "acre_train.modeling.scoring", "acre_train.modeling.span_choice",
+           "acre_train.modeling.bilayer", "acre_train.modeling.kv_buffer", "acre_train.infer.settings",
            "acre_train.eval.calibrate", "acre_train.eval.methods.acre"]
 
 

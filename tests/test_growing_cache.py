@@ -42,14 +42,14 @@ def test_growing_cache_equals_dynamic_cache(arch, capacity, one_thread):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     layer = cache.layers[0]
-    assert layer.length == 37 and layer._keys.shape[-2] >= 37 + 9 + 6  # the buffer kept its room
+    assert layer.length == 37 and layer.buffer.capacity >= 37 + 9 + 6  # the buffer kept its room
 
 
 def test_decoding_writes_in_place_without_copying_the_cache():
     cache = GrowingCache(capacity=64)
     k = torch.randn(1, 2, 10, 4)
     cache.update(k, k.clone(), 0)
-    buffer = cache.layers[0]._keys
+    buffer = cache.layers[0].buffer.keys
     for _ in range(20):
         new = torch.randn(1, 2, 1, 4)
         keys, _ = cache.update(new, new.clone(), 0)
@@ -57,3 +57,20 @@ def test_decoding_writes_in_place_without_copying_the_cache():
     assert cache.get_seq_length() == 30
     with pytest.raises(ValueError, match="negative count"):
         cache.crop(3)
+
+
+def test_the_kv_buffer_grows_keeping_written_tokens_and_counts_only_committed_ones():
+    from acre_train.modeling.kv_buffer import KVBuffer
+
+    keys, values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    buf = KVBuffer.empty(keys[:, :, :0], capacity=4)
+    buf.append(keys[:, :, :3], values[:, :, :3])
+    buf.write(3, keys[0, :, 3:5], values[0, :, 3:5], index=0)  # one layer of a chunk, past the room
+    assert buf.length == 3 and buf.capacity >= 5
+    for layer in (1, 2):
+        buf.write(3, keys[layer, :, 3:5], values[layer, :, 3:5], index=layer)
+    assert torch.equal(buf.filled(1)[0], keys[1, :, :3])  # not yet counted
+    buf.commit(2)
+    assert torch.equal(buf.filled()[0], keys) and torch.equal(buf.filled()[1], values)
+    with pytest.raises(ValueError, match="past a buffer"):
+        buf.commit(buf.capacity)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -17,6 +16,7 @@ from ..files import atomic_path
 from ..modeling.adapter import acre_forward
 from ..modeling.bilayer import BiLayerCache, CacheSettings, finished_chunks, finished_length, span_layout
 from ..modeling.interleave import interleave
+from ..modeling.kv_buffer import KVBuffer
 from ..modeling.rope import Rope
 
 CACHE_FORMAT = "acre-bilayer-cache/1"
@@ -189,7 +189,7 @@ def build_cache(
     device = _device_of(model)
     plan = interleave(ids, first_chunk=settings.first_chunk, stride=settings.stride, intervals=settings.interval)
     done, raw_done = finished_chunks(len(ids), settings)
-    store = _BuildStore.allocate(model, raw_done, int(plan.is_l1[: finished_length(plan, done)].sum()), device)
+    store = _BuildStore(model, raw_done, int(plan.is_l1[: finished_length(plan, done)].sum()), device)
     rope = Rope.of(model)
     for t in _chunk_range(done, progress):
         sel = plan.chunk_ids == t
@@ -214,8 +214,8 @@ def build_cache(
     bounds, carry = span_layout(plan, done, raw_done)
     return BiLayerCache(
         settings=settings, fingerprint=fingerprint(model, settings),
-        l1_keys=store.l1_keys, l1_keys_rot=store.l1_rot, l1_values=store.l1_values,
-        l2_keys=store.l2_keys, l2_values=store.l2_values,
+        l1_keys=store.l1_keys, l1_keys_rot=store.l1.keys, l1_values=store.l1.values,
+        l2_keys=store.l2.keys, l2_values=store.l2.values,
         span_bounds=torch.as_tensor(bounds, dtype=torch.int64),
         tail_ids=ids[raw_done:].tolist(), carry=carry,
         num_context_tokens=len(ids), context_digest=context_digest(ids),
@@ -231,61 +231,51 @@ def _chunk_range(done: int, progress: bool | None):
     return tqdm(range(done), desc="building cache", unit="chunk")
 
 
-@dataclass
 class _BuildStore:
     """Where a cache build writes, chunk after chunk, all of it preallocated.
 
-    L2 (raw tokens) goes straight into CPU tensors, pinned when the model is on CUDA so the per-layer
+    L2 (raw tokens) goes straight into CPU buffers, pinned when the model is on CUDA so the per-layer
     copies overlap with compute, and never copied again. L1 stays on the device; each chunk writes
     (and rotates to memory positions) only its own entries, so a build costs O(chunks), not O(chunks^2)
-    re-concatenations and re-rotations.
+    re-concatenations and re-rotations. Every part is a ``KVBuffer`` (``modeling/kv_buffer.py``) written
+    layer by layer during a chunk and committed when the chunk is done: the chunk's later layers see the
+    memory of the chunks before it, never its own new entries.
     """
 
-    l2_keys: torch.Tensor  # [layers, kv_heads, raw tokens, head_dim] (CPU)
-    l2_values: torch.Tensor
-    l1_keys: torch.Tensor  # [layers, kv_heads, L1 entries, head_dim], pre-RoPE (device)
-    l1_rot: torch.Tensor  # the same, rotated to memory positions 0..m-1
-    l1_values: torch.Tensor
-    pinned: bool
-    raw_before: int = 0  # raw tokens of the chunks already built = where the next chunk's L2 goes
-    l1_before: int = 0  # L1 entries of the chunks already built
-
-    @classmethod
-    def allocate(cls, model: nn.Module, num_raw: int, num_l1: int, device: torch.device) -> "_BuildStore":
+    def __init__(self, model: nn.Module, num_raw: int, num_l1: int, device: torch.device):
         layers = model.config.num_hidden_layers
         kv_heads, head_dim = _kv_shape(model)
-        dtype = next(model.parameters()).dtype
-        pin = device.type == "cuda"
-        l2 = [torch.empty(layers, kv_heads, num_raw, head_dim, dtype=dtype, pin_memory=pin) for _ in range(2)]
-        l1_keys = torch.empty(layers, kv_heads, num_l1, head_dim, dtype=dtype, device=device)
-        return cls(l2[0], l2[1], l1_keys, torch.empty_like(l1_keys), torch.empty_like(l1_keys), pin)
+        like = torch.empty(layers, kv_heads, 0, head_dim, dtype=next(model.parameters()).dtype)
+        self.pinned = device.type == "cuda"
+        self.l2 = KVBuffer.empty(like, num_raw, pin_memory=self.pinned)  # pre-RoPE (CPU)
+        self.l1 = KVBuffer.empty(like.to(device), num_l1)  # keys rotated to memory positions 0..m-1, values
+        self.l1_keys = torch.empty_like(self.l1.keys)  # the same keys, pre-RoPE
 
     def l1_prefix(self) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None:
         """The L1 memory built so far, as the next chunk's KV prefix (rotated keys, values) per layer."""
-        m = self.l1_before
-        if m == 0:
+        if self.l1.length == 0:
             return None
-        return lambda layer: (self.l1_rot[layer, :, :m][None], self.l1_values[layer, :, :m][None])
+        return lambda layer: tuple(t[None] for t in self.l1.filled(layer))
 
     def capture(self, l1_pos: torch.Tensor, raw_pos: torch.Tensor):
         """The capture hook of one chunk: L2 leaves the device as soon as a layer produced it; L1 stays."""
-        raw = slice(self.raw_before, self.raw_before + raw_pos.numel())
-        new = slice(self.l1_before, self.l1_before + l1_pos.numel())
+        raw = slice(self.l2.length, self.l2.length + raw_pos.numel())
+        new = slice(self.l1.length, self.l1.length + l1_pos.numel())
 
         def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-            self.l2_keys[layer, :, raw].copy_(key[0].index_select(1, raw_pos), non_blocking=self.pinned)
-            self.l2_values[layer, :, raw].copy_(value[0].index_select(1, raw_pos), non_blocking=self.pinned)
+            self.l2.keys[layer, :, raw].copy_(key[0].index_select(1, raw_pos), non_blocking=self.pinned)
+            self.l2.values[layer, :, raw].copy_(value[0].index_select(1, raw_pos), non_blocking=self.pinned)
             self.l1_keys[layer, :, new] = key[0].index_select(1, l1_pos)
-            self.l1_values[layer, :, new] = value[0].index_select(1, l1_pos)
+            self.l1.values[layer, :, new] = value[0].index_select(1, l1_pos)
 
         return capture
 
     def close_chunk(self, rope: Rope, num_l1: int, num_raw: int) -> None:
-        """Rotate the chunk's new L1 keys to their memory positions; move both write heads on."""
-        new = slice(self.l1_before, self.l1_before + num_l1)
-        self.l1_rot[:, :, new] = rope.rotate(self.l1_keys[:, :, new], torch.arange(new.start, new.stop))
-        self.l1_before = new.stop
-        self.raw_before += num_raw
+        """Rotate the chunk's new L1 keys to their memory positions; count the chunk as built."""
+        new = slice(self.l1.length, self.l1.length + num_l1)
+        self.l1.keys[:, :, new] = rope.rotate(self.l1_keys[:, :, new], torch.arange(new.start, new.stop))
+        self.l1.commit(num_l1)
+        self.l2.commit(num_raw)
 
 
 def context_digest(ids: Sequence[int] | np.ndarray) -> str:

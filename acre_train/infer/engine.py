@@ -18,6 +18,7 @@ from torch import nn
 from ..data.prompt import PromptFormat
 from ..modeling.bilayer import BiLayerCache, CacheSettings, num_selected
 from ..modeling.interleave import interleave
+from ..modeling.kv_buffer import KVBuffer
 from ..modeling.ranking import QuestionQueries, choose_refill, rank_spans
 from ..modeling.rope import Rope
 from ..modeling.scorer_spec import ScorerSettings
@@ -60,36 +61,28 @@ class Answer:
                 f"({len(self.token_ids)} tokens)")
 
 
-class _KV:
-    """Per-layer KV (rotated keys, values) of the refilled cache + the open chunk, grown in place.
-
-    Preallocated to ``capacity`` tokens so that decoding appends without copying the whole cache
-    every step; ``prefix`` hands out views of the filled part. ``position``: where the next token is
-    rotated (the cache's length, unless the refill kept text positions).
-    """
+class _KV(KVBuffer):
+    """The refilled cache + the open chunk (rotated keys, values ``[L, H_kv, T, D]``) as a question and its
+    answer extend it. ``position``: where the next token is rotated (the cache's length, unless the
+    refill kept text positions)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, position: int | None = None):
-        layers, heads, length, dim = keys.shape
-        self.keys = keys.new_empty(layers, heads, max(capacity, length), dim)
-        self.values = values.new_empty(layers, heads, max(capacity, length), dim)
-        self.keys[:, :, :length] = keys
-        self.values[:, :, :length] = values
-        self.length = length
+        length = keys.shape[2]
+        buffer = KVBuffer.empty(keys, max(capacity, length), values_like=values)
+        super().__init__(buffer.keys, buffer.values)
+        self.append(keys, values)
         self.position = length if position is None else position
 
     def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer, None, :, : self.length], self.values[layer, None, :, : self.length]
+        keys, values = self.filled(layer)
+        return keys[None], values[None]
 
     def extend(self, new: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append one forward's new entries, given per layer (every layer's)."""
         added = next(iter(new.values()))[0].shape[1]
-        if self.length + added > self.keys.shape[2]:  # beyond the planned capacity: grow
-            grow = max(added, self.keys.shape[2] // 2)
-            pad = self.keys.new_empty(*self.keys.shape[:2], grow, self.keys.shape[3])
-            self.keys, self.values = torch.cat([self.keys, pad], 2), torch.cat([self.values, pad.clone()], 2)
         for layer, (k, v) in new.items():
-            self.keys[layer, :, self.length : self.length + added] = k
-            self.values[layer, :, self.length : self.length + added] = v
-        self.length += added
+            self.write(self.length, k, v, index=layer)
+        self.commit(added)
         self.position += added
 
 
