@@ -180,8 +180,8 @@ def test_vanilla_mode_trains_the_whole_base_without_acre(workdir):
     fresh = tiny_model("qwen2", seed=0, vocab_size=1024, eos_token_id=0)
     assert not torch.equal(weights["model.embed_tokens.weight"], fresh.model.embed_tokens.weight)
     # The collator dropped every L1 slot: the batch holds only raw tokens.
-    row = trainer.dataset[0]
-    batch = trainer.collate([row])
+    row = trainer.data.dataset[0]
+    batch = trainer.data.collate([row])
     assert batch["input_ids"].shape[1] == int((~np.asarray(row["is_l1"], bool)).sum()) and "is_l1" not in batch
 
 
@@ -471,7 +471,7 @@ def test_refill_sim_trains_and_resumes_exactly(workdir):
     assert (stored["interval"], stored["max_refill"], stored["neighbors"], stored["grow"], stored["grow_shape"]) == \
         (4, 8, False, 2, "centered")
     assert ScorerSettings.parse(stored["scorer"]) == ScorerSettings.parse("l2:layers=0,heads=max")
-    simulated = sim_trainer.sim_settings()  # what training answered with is what the export stores, field by field
+    simulated = sim_trainer.data.sim  # what training answered with is what the export stores, field by field
     for key in ("first_chunk", "stride", "interval", "working_window", "max_refill", "neighbors", "grow", "grow_shape"):
         assert getattr(simulated, key) == stored[key], key
     assert simulated.scorer == ScorerSettings.parse(stored["scorer"])
@@ -692,11 +692,11 @@ def test_ctrl_c_inside_a_save_keeps_that_step_its_checkpoint_and_its_metrics_lin
     save = RunFolder.save
     calls = []
 
-    def interrupted_once(self, step, log=None):
-        calls.append(step)
+    def interrupted_once(self, state, progress, log=None):
+        calls.append(progress.step)
         if len(calls) == 1:
             raise KeyboardInterrupt  # Ctrl-C while checkpoint-2 is being written
-        return save(self, step, log)
+        return save(self, state, progress, log)
 
     monkeypatch.setattr(RunFolder, "save", interrupted_once)
     with pytest.raises(KeyboardInterrupt):

@@ -5,8 +5,10 @@ the data order fixed by the global batch (not by the rank split), token-weighted
 ranks, and ranks read from the launcher environment. Each of those is an override of a private
 ``Trainer`` method (``_save_checkpoint``, ``_load_from_checkpoint``, ``get_train_dataloader``,
 ``compute_loss``, world-size detection); a ~300-line loop that calls DeepSpeed's engine directly is
-smaller and keeps every one of those behaviours visible and tested. The run folder's life (prepare,
-identity, resume, save) is ``run_folder.RunFolder``, which ``Trainer`` extends.
+smaller and keeps every one of those behaviours visible and tested. ``Trainer`` holds its parts
+rather than inheriting them: the data (``training_data.TrainingData``), the run folder's life
+(``run_folder.RunFolder``: prepare, identity, resume, save), what a checkpoint keeps
+(``run_folder.TrainState``) and where the run stands (``run_folder.TrainingProgress``).
 
 Loss weighting: every micro-batch contributes ``loss_sum * world_size / tokens_in_global_batch``;
 DDP and DeepSpeed average gradients over ranks (÷ world_size) and DeepSpeed's own ÷accumulation is
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .batching import PLAN_COLUMNS, REFILL_INPUTS, Collator, epoch_batches, label_count, list_lengths, rank_micro_batches, split_held_out
+from .batching import label_count, rank_micro_batches
 from ..measure import PeakMemory
 from .callbacks import StepLogger
 from .cost import step_flops
@@ -39,10 +41,11 @@ from .distributed import DistInfo, PeerLost, peer_failure, setup, teardown
 from .liger import apply_liger
 from .model import LossModule, build_model
 from .refill_loss import num_samples as refill_samples
-from .run_folder import NonFiniteError, RunFolder
-from .recipe_checks import check_recipe, deepspeed_expected, prepare_settings, resolve_accumulation
+from .recipe_checks import check_recipe, deepspeed_expected, resolve_accumulation
 from .recipe_schema import Recipe, RecipeError
-from .vocabulary import base_tokenizer_fingerprint, data_vocabulary, vocabulary_problems
+from .run_folder import NonFiniteError, RunFolder, TrainingProgress, TrainState
+from .training_data import TrainingData, open_training_data
+from .vocabulary import base_tokenizer_fingerprint, vocabulary_problems
 
 
 @dataclass
@@ -85,8 +88,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(RunFolder):
-    """The data, the model and the loop; the run folder's life (prepare, resume, save) is ``RunFolder``'s."""
+class Trainer:
+    """The loop over a run's data (``data``), model (``model``, inside ``state``) and folder (``folder``)."""
 
     def __init__(self, recipe: Recipe, info: DistInfo, log=print):
         problems = check_recipe(recipe, info.world_size)
@@ -97,86 +100,18 @@ class Trainer(RunFolder):
         self.log = log if info.is_main else (lambda *_: None)
         self.gas, self.global_batch, _ = resolve_accumulation(recipe, info.world_size)
         self.run_dir = recipe.run_dir
-        self.engine = None  # DeepSpeed engine
-        self.scorer_map = None  # the learned scorer (train.refill_loss.params: scorer)
         self.nonfinite_steps = 0  # steps skipped for a NaN/inf loss or gradient (train.skip_nonfinite_steps)
         self.ds_config: dict[str, Any] | None = None
+        self.data: TrainingData  # open_data
+        self.state: TrainState  # build
+        self.folder: RunFolder  # build
+        self.progress = TrainingProgress()
 
     # ------------------------------------------------------------------------------------ setup
 
     def open_data(self) -> None:
-        """Prepare (rank 0, if asked; an unchanged preparation is reused) and load the dataset; plan the batches."""
-        from ..data import load_prepared
-
-        r = self.recipe
-        # With data.prepare, always ask the preparation: it reuses data.path only when settings, inputs
-        # and tokenizer match its fingerprint, and refuses a directory made from anything else -- an
-        # edited input file must not train on the stale copy.
-        if r.data.prepare is not None:
-            if self.info.is_main:
-                from ..data import prepare_stage1, prepare_stage2
-
-                (prepare_stage1 if r.stage == 1 else prepare_stage2)(prepare_settings(r), log=self.log)
-            self.info.barrier()
-        dataset, self.manifest = load_prepared(r.data.path)
-        self.data_vocabulary = data_vocabulary(r.data.path, self.manifest, dataset)  # checked against the model
-        if r.data.max_samples is not None:
-            dataset = dataset.select(range(min(r.data.max_samples, len(dataset))))
-        dataset, held_out = split_held_out(dataset, r.data.eval_split, r.seed)
-        self.eval_dataset = held_out.with_format("numpy", columns=PLAN_COLUMNS) if held_out is not None else None
-        self.refill_weight = r.train.refill_loss.weight if r.mode == "acre" else 0.0
-        extra = ()
-        if self.refill_weight:
-            extra = REFILL_INPUTS
-            missing = [c for c in REFILL_INPUTS if c not in dataset.column_names]
-            if missing or not self.manifest.get("counts", {}).get("with_evidence", self.manifest.get("with_evidence")):
-                raise RecipeError([f"train.refill_loss needs stage-2 data with evidence positions; {r.data.path} "
-                                   f"{'lacks the columns ' + str(missing) if missing else 'has no sample with evidence'} "
-                                   "(re-prepare it with this version, from inputs that carry 'evidence' or from SQuAD)"])
-        if int(self.manifest.get("counts", {}).get("pack_questions") or 1) > 1 and not r.train.refill_sim.enabled:
-            raise RecipeError([f"{r.data.path} packs several questions per sample (data.prepare.pack_questions); only "
-                               "train.refill_sim trains them correctly (each question over the context alone): set "
-                               "train.refill_sim.enabled=true, or prepare with pack_questions: 1"])
-        self.sim = self.sim_settings() if r.train.refill_sim.enabled else None
-        if self.sim is not None:
-            missing = [c for c in ("question", "evidence") if c not in dataset.column_names]
-            if missing:
-                raise RecipeError([f"train.refill_sim needs stage-2 data that records the question and its evidence; "
-                                   f"{r.data.path} lacks the columns {missing} (re-prepare it with this version)"])
-            extra = tuple(c for c in ("evidence", "question", "evidence_question") if c in dataset.column_names)
-            if held_out is not None:
-                self.eval_dataset = held_out.with_format("numpy", columns=[*PLAN_COLUMNS, *extra])
-        self.dataset = dataset.with_format("numpy", columns=[*PLAN_COLUMNS, "intervals", "sample_index", *extra])
-        self.chunks = list_lengths(dataset, "intervals")
-        self.lengths = list_lengths(dataset, "input_ids")
-        self.raw_lengths = np.asarray(dataset["num_raw_tokens"], dtype=np.int64)
-        self.steps_per_epoch = len(self.batches(0))
-        if self.steps_per_epoch == 0:
-            raise RecipeError([f"data.path {r.data.path} has {len(dataset)} samples, fewer than one global batch "
-                               f"of {self.global_batch}; lower train.global_batch_size or add data"])
-        self.total_steps = r.train.max_steps or max(1, int(r.train.epochs * self.steps_per_epoch))
-        pad = self.manifest.get("tokenizer", {}).get("pad_token_id")
-        self.collate = Collator(vanilla=r.mode == "vanilla", pad_token_id=int(pad) if pad is not None else 0,
-                                refill=bool(self.refill_weight), sim=self.sim, seed=r.seed)
-
-    def sim_settings(self):
-        """The inference ``train.refill_sim`` simulates: what the export of this run will answer with
-        (``RefillSimSection.answers_with``, which ``acre-train export`` stores too)."""
-        from ..modeling.scorer_spec import ScorerSettings
-        from .refill_sim import SimSettings
-
-        sim = self.recipe.train.refill_sim
-        answer = sim.answers_with(self.manifest.get("plan") or {})
-        return SimSettings(first_chunk=answer["first_chunk"], stride=answer["stride"], interval=answer["interval"],
-                           working_window=answer["working_window"], max_refill=answer["max_refill"],
-                           scorer=ScorerSettings.parse(answer["scorer"]), neighbors=answer["neighbors"],
-                           grow=answer["grow"], grow_shape=answer["grow_shape"], k=sim.k,
-                           force_evidence=sim.force_evidence)
-
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        r = self.recipe
-        return epoch_batches(self.chunks, self.global_batch, epoch=epoch, seed=r.seed, shuffle=r.data.shuffle,
-                             group_by_chunks=r.train.group_by_chunks)
+        """The run's data, prepared and planned before the model loads (``training_data.py``)."""
+        self.data = open_training_data(self.recipe, self.info, self.global_batch, log=self.log)
 
     def check_vocabulary(self) -> None:
         """The data's token ids fit this model's embedding, and its tokenizer is the base's own (where the
@@ -188,7 +123,7 @@ class Trainer(RunFolder):
 
             fingerprint = base_tokenizer_fingerprint(resolve_source(r.model.source))
         rows = self.model.get_input_embeddings().weight.shape[0]
-        problems = vocabulary_problems(r, rows, fingerprint, *self.data_vocabulary)
+        problems = vocabulary_problems(r, rows, fingerprint, *self.data.vocabulary)
         if problems:
             raise RecipeError(problems)
 
@@ -203,7 +138,7 @@ class Trainer(RunFolder):
         active = apply_liger(self.model, t.liger, log=self.log)
         refill = t.refill_loss
         settings = None
-        if self.refill_weight:
+        if self.data.refill_weight:
             from ..modeling.scorer_spec import ScorerSettings
 
             settings = {"layers": refill.layers, "temperature": refill.temperature, "params": refill.params,
@@ -212,29 +147,33 @@ class Trainer(RunFolder):
             if refill.scorer_only:
                 self.model.requires_grad_(False)  # the L1 weights stay as model.init_from left them
         self.loss_module = LossModule(self.model, kernel=r.model.kernel, fused_ce=active["fused_linear_cross_entropy"],
-                                      refill=settings, sim=self.sim,
+                                      refill=settings, sim=self.data.sim,
                                       distill={**t.distill.model_dump(), "stage": r.stage} if r.mode == "acre" else None)
-        self.scorer_map = getattr(self.loss_module, "acre_scorer", None)  # params: scorer
         params = [p for p in self.loss_module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                           eps=t.adam_epsilon, weight_decay=t.weight_decay)
-        warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
-        self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=warmup,
-                                       num_training_steps=self.total_steps)
+        optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                      eps=t.adam_epsilon, weight_decay=t.weight_decay)
+        total = self.data.total_steps
+        warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * total)
+        scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        self.state = TrainState(self.model, optimizer, scheduler,
+                                scorer_map=getattr(self.loss_module, "acre_scorer", None))  # params: scorer
         self.wrapped: torch.nn.Module = self.loss_module
         if t.deepspeed:
             import deepspeed
 
             self.ds_config = self.deepspeed_config()
-            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=self.loss_module, model_parameters=params, optimizer=self.optimizer,
-                lr_scheduler=self.scheduler, config=self.ds_config)
-            self.wrapped = self.engine
+            engine, optimizer, _, scheduler = deepspeed.initialize(
+                model=self.loss_module, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler,
+                config=self.ds_config)
+            self.state.engine, self.state.optimizer, self.state.scheduler = engine, optimizer, scheduler
+            self.wrapped = engine
         elif self.info.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.info.local_rank] if self.info.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(self.loss_module, device_ids=ids)
+        self.folder = RunFolder(r, self.info, global_batch=self.global_batch, steps_per_epoch=self.data.steps_per_epoch,
+                                manifest=self.data.manifest, ds_config=self.ds_config, log=self.log)
 
     def deepspeed_config(self) -> dict[str, Any]:
         """The recipe's DeepSpeed JSON with every ``"auto"`` filled from the recipe."""
@@ -255,13 +194,13 @@ class Trainer(RunFolder):
         r, t = self.recipe, self.recipe.train
         counts = count_parameters(self.model)
         groups = "  ".join(f"{k}={v:,}" for k, v in counts.items() if k not in ("trainable", "frozen", "total"))
-        plan = self.manifest.get("plan") or {}
+        plan = self.data.manifest.get("plan") or {}
         engine = f"DeepSpeed {Path(t.deepspeed).name}" if t.deepspeed else ("DDP" if self.info.distributed else "one process")
         return "\n".join([
             f"run {r.run_name}: stage {r.stage}, mode {r.mode}, base {r.model.source} -> {self.run_dir}",
-            f"data {r.data.path}: {len(self.dataset):,} samples; plan {plan}" if plan else
-            f"data {r.data.path}: {len(self.dataset):,} samples",
-            f"steps {self.total_steps} x global batch {self.global_batch} = micro {t.micro_batch_size} x accumulation "
+            f"data {r.data.path}: {len(self.data.dataset):,} samples; plan {plan}" if plan else
+            f"data {r.data.path}: {len(self.data.dataset):,} samples",
+            f"steps {self.data.total_steps} x global batch {self.global_batch} = micro {t.micro_batch_size} x accumulation "
             f"{self.gas} x {self.info.world_size} rank(s), {engine}, lr {t.learning_rate:g}",
             f"parameters: trainable {counts['trainable']:,} of {counts['total']:,}" + (f" ({groups})" if groups else ""),
         ])
@@ -295,16 +234,16 @@ class Trainer(RunFolder):
     def _run(self) -> TrainResult:
         self.open_data()  # data problems surface before the model loads
         self.build()
-        self.prepare_run_dir()
-        self.tokens_seen = 0
-        start = self.resume()
+        self.folder.prepare()
+        self.progress = self.folder.resume(self.state)
+        start, total = self.progress.step, self.data.total_steps
         r = self.recipe
         self.log(self.summary())
-        stop = min(self.total_steps, r.checkpoint.stop_after_step or self.total_steps)
-        logger = StepLogger(self.run_dir, rank=self.info.rank, total_steps=self.total_steps, start_step=start,
+        stop = min(total, r.checkpoint.stop_after_step or total)
+        logger = StepLogger(self.run_dir, rank=self.info.rank, total_steps=total, start_step=start,
                             tensorboard=r.logging.tensorboard, progress_bar=r.logging.progress_bar,
                             log_samples=r.logging.log_samples, every_steps=r.logging.every_steps,
-                            resumed_line=getattr(self, "resumed_log", None))
+                            resumed_line=self.progress.resumed_log)
         result = TrainResult(run_dir=self.run_dir, steps=start)
         tokens_run, time_run = 0, 0.0
         cached_epoch, epoch_plan = -1, []
@@ -312,26 +251,27 @@ class Trainer(RunFolder):
         unlogged: dict[str, Any] | None = None  # the finished step's metrics until its line is written
         try:
             for step in range(start + 1, stop + 1):
-                epoch, index = divmod(step - 1, self.steps_per_epoch)
+                epoch, index = divmod(step - 1, self.data.steps_per_epoch)
                 if epoch != cached_epoch:
-                    cached_epoch, epoch_plan = epoch, self.batches(epoch)
+                    cached_epoch, epoch_plan = epoch, self.data.batches(epoch)
                 began = time.perf_counter()
                 with PeakMemory(self.info.device) as memory:
                     metrics = self.train_step(epoch_plan[index], step, logger)
                 elapsed = time.perf_counter() - began
                 tokens_run += metrics["tokens"]
                 time_run += elapsed
-                metrics.update(epoch=epoch + index / self.steps_per_epoch, tokens_per_s=metrics["tokens"] / elapsed,
+                metrics.update(epoch=epoch + index / self.data.steps_per_epoch, tokens_per_s=metrics["tokens"] / elapsed,
                                rank_gflops_per_s=1e3 * metrics["rank_tflop"] / elapsed,
                                step_seconds=elapsed, peak_memory_mib=memory.peak_mib)
                 result.losses.append(metrics["loss"])
                 result.steps, unlogged = step, metrics
+                self.progress.step = step
                 if r.train.eval_every and (step % r.train.eval_every == 0 or step == stop):
                     metrics["eval_loss"] = self.held_out_loss()
                 every = r.checkpoint.every_steps
                 if (every and step % every == 0) or step == stop:
                     began = time.perf_counter()
-                    result.last_checkpoint = self.save(step, log=dict(metrics))
+                    result.last_checkpoint = self.folder.save(self.state, self.progress, log=dict(metrics))
                     saved_step = step
                     result.checkpoint_seconds.append(time.perf_counter() - began)
                     metrics["checkpoint_seconds"] = result.checkpoint_seconds[-1]
@@ -344,7 +284,8 @@ class Trainer(RunFolder):
             if unlogged is not None and not self.info.distributed:
                 logger.log_step(result.steps, unlogged)
             if result.steps > saved_step and not self.info.distributed:
-                result.last_checkpoint = self.save(result.steps, log=dict(unlogged) if unlogged else None)
+                result.last_checkpoint = self.folder.save(self.state, self.progress,
+                                                          log=dict(unlogged) if unlogged else None)
                 logger.message(f"interrupted: saved {result.last_checkpoint.name} (the last finished step); "
                                "continue with checkpoint.resume_from_checkpoint=latest")
             else:
@@ -354,8 +295,8 @@ class Trainer(RunFolder):
         finally:
             logger.close()
         result.tokens_per_s = tokens_run / time_run if time_run else 0.0
-        if result.steps < self.total_steps:
-            self.log(f"stopped after step {result.steps} of {self.total_steps} (checkpoint.stop_after_step)")
+        if result.steps < total:
+            self.log(f"stopped after step {result.steps} of {total} (checkpoint.stop_after_step)")
         return result
 
     def train_step(self, batch: np.ndarray, step: int, logger: StepLogger) -> dict[str, Any]:
@@ -363,15 +304,16 @@ class Trainer(RunFolder):
         info = self.info
         micro = rank_micro_batches(batch, rank=info.rank, world_size=info.world_size,
                                    micro=self.recipe.train.micro_batch_size, accumulation=self.gas)
-        logger.log_samples(step, [int(self.dataset[int(i)]["sample_index"]) for m in micro for i in m])
-        tensors = [self.collate([self.dataset[int(i)] for i in m], step=step) for m in micro]
+        data = self.data
+        logger.log_samples(step, [int(data.dataset[int(i)]["sample_index"]) for m in micro for i in m])
+        tensors = [data.collate([data.dataset[int(i)] for i in m], step=step) for m in micro]
         local_labels = sum(label_count(b) for b in tensors)
         (global_labels,) = info.all_reduce_sum([local_labels])
         scale = info.world_size / max(global_labels, 1.0)
         # The refill loss is a mean per sample that carries evidence (the answer loss: per label token).
-        (global_refill,) = info.all_reduce_sum([sum(refill_samples(b) for b in tensors)]) if self.refill_weight else (0,)
-        refill_scale = self.refill_weight * info.world_size / max(global_refill, 1.0)
-        lr = float(self.scheduler.get_last_lr()[0])
+        (global_refill,) = info.all_reduce_sum([sum(refill_samples(b) for b in tensors)]) if data.refill_weight else (0,)
+        refill_scale = data.refill_weight * info.world_size / max(global_refill, 1.0)
+        lr = float(self.state.scheduler.get_last_lr()[0])
         loss_total, refill_total, kl_total, kl_tokens = 0.0, 0.0, 0.0, 0
         for j, batch_tensors in enumerate(tensors):
             batch_tensors = {k: v.to(info.device) for k, v in batch_tensors.items()}
@@ -380,20 +322,20 @@ class Trainer(RunFolder):
             kl_total, kl_tokens = kl_total + self.loss_module.last_kl[0], kl_tokens + self.loss_module.last_kl[1]
         (loss_sum, refill_sum) = info.all_reduce_sum([loss_total, refill_total])
         grad_norm = self.optimizer_step(step, finite_loss=math.isfinite(loss_sum) and math.isfinite(refill_sum))
-        mix = Counter(int(v) for i in batch for v in self.dataset[int(i)]["intervals"])
+        mix = Counter(int(v) for i in batch for v in data.dataset[int(i)]["intervals"])
         chunks = sum(mix.values())
-        tokens = int(self.lengths[batch].sum()) if self.recipe.mode == "acre" else int(self.raw_lengths[batch].sum())
-        self.tokens_seen += tokens
+        tokens = int(data.lengths[batch].sum()) if self.recipe.mode == "acre" else int(data.raw_lengths[batch].sum())
+        self.progress.tokens_seen += tokens
         r = self.recipe
         flops = step_flops(self.model, tensors, trains_base=r.mode == "vanilla" and r.model.vanilla == "full")
         if self.recipe.train.refill_loss.scorer_only:  # no answer loss is computed: the run's loss is the refill loss
             loss_sum, global_labels = refill_sum, global_refill
         metrics = {"loss": loss_sum / max(global_labels, 1.0), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                    "rank_tflop": flops / 1e12,
-                   "tokens_seen": self.tokens_seen, "label_tokens": int(global_labels),
+                   "tokens_seen": self.progress.tokens_seen, "label_tokens": int(global_labels),
                    "rank_chunk_spread": self.rank_chunk_spread(batch)}
         metrics.update({f"l1_interval_mix/{k}": v / chunks for k, v in sorted(mix.items())})
-        if self.refill_weight:
+        if data.refill_weight:
             metrics.update(refill_loss=refill_sum / max(global_refill, 1.0), refill_samples=int(global_refill))
         if self.loss_module.distill is not None:  # "loss" is then the mixed loss; kl per distilled token
             kl_sum, kl_count = info.all_reduce_sum([kl_total, float(kl_tokens)])
@@ -405,8 +347,9 @@ class Trainer(RunFolder):
         """Mean loss per label token over the held-out samples (nanoGPT's ``estimate_loss``); each
         rank takes every world_size-th sample and the sums are all-reduced."""
         loss_sum, count = 0.0, 0.0
-        for i in range(self.info.rank, len(self.eval_dataset), self.info.world_size):
-            batch = {k: v.to(self.info.device) for k, v in self.collate([self.eval_dataset[i]]).items()}
+        held_out = self.data.eval_dataset
+        for i in range(self.info.rank, len(held_out), self.info.world_size):
+            batch = {k: v.to(self.info.device) for k, v in self.data.collate([held_out[i]]).items()}
             part, n, refill = self.loss_module(**batch)
             if self.loss_module.scorer_only:
                 part, n = refill, refill_samples(batch)
@@ -416,7 +359,7 @@ class Trainer(RunFolder):
 
     def rank_chunk_spread(self, batch: np.ndarray) -> int:
         """Max - min over ranks of the chunks each runs this step (the kernel loops to a micro-batch's max)."""
-        per_rank = [sum(int(self.chunks[m].max()) for m in rank_micro_batches(
+        per_rank = [sum(int(self.data.chunks[m].max()) for m in rank_micro_batches(
             batch, rank=r, world_size=self.info.world_size, micro=self.recipe.train.micro_batch_size,
             accumulation=self.gas)) for r in range(self.info.world_size)]
         return max(per_rank) - min(per_rank)
@@ -424,19 +367,20 @@ class Trainer(RunFolder):
     def micro_step(self, batch: dict[str, torch.Tensor], scale: float, refill_scale: float, last: bool) -> tuple[float, float]:
         """Forward + backward of one micro-batch, gradients weighted by its share of label tokens (and of
         evidence samples for the refill loss); returns (answer-loss sum, refill-loss sum)."""
-        bf16 = self.recipe.train.bf16 and self.engine is None and self.info.device.type == "cuda"
+        engine = self.state.engine
+        bf16 = self.recipe.train.bf16 and engine is None and self.info.device.type == "cuda"
         # DDP: skip the gradient all-reduce until the last micro-batch. DeepSpeed tracks the
         # accumulation boundary itself (its no_sync is refused under ZeRO-2).
-        sync = last or self.engine is not None or not hasattr(self.wrapped, "no_sync")
+        sync = last or engine is not None or not hasattr(self.wrapped, "no_sync")
         context = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
         with context, (self.wrapped.no_sync() if not sync else nullcontext()):
             loss_sum, _, refill_sum = self.wrapped(**batch)
             loss = loss_sum * scale
             if refill_scale:
                 loss = loss + refill_sum * refill_scale
-            if self.engine is not None:
-                self.engine.backward(loss, scale_wrt_gas=False)
-                self.engine.step()  # DeepSpeed counts micro-steps and updates at the boundary
+            if engine is not None:
+                engine.backward(loss, scale_wrt_gas=False)
+                engine.step()  # DeepSpeed counts micro-steps and updates at the boundary
             else:
                 loss.backward()
         return float(loss_sum.detach()), float(refill_sum.detach())
@@ -448,27 +392,28 @@ class Trainer(RunFolder):
         while ``train.skip_nonfinite_steps`` allows, else the run stops with :class:`NonFiniteError`.
         Under DeepSpeed the update has happened by now; the run stops before anything is saved.
         """
-        if self.engine is not None:
-            norm = self.engine.get_global_grad_norm()
+        state = self.state
+        if state.engine is not None:
+            norm = state.engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else float("nan")
             if not finite_loss or not math.isfinite(norm):
-                raise NonFiniteError(self._nonfinite_message(step, _what(finite_loss, norm), skippable=False))
+                raise NonFiniteError(self.folder.nonfinite_message(step, _what(finite_loss, norm), skippable=False))
             return norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.recipe.train.max_grad_norm or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip) if params else None
-        if self.scorer_map is not None:  # clipped on its own: its gradient must not scale the L1 update
-            scorer_norm = torch.nn.utils.clip_grad_norm_(list(self.scorer_map.parameters()), clip)
+        if state.scorer_map is not None:  # clipped on its own: its gradient must not scale the L1 update
+            scorer_norm = torch.nn.utils.clip_grad_norm_(list(state.scorer_map.parameters()), clip)
             norm = scorer_norm if norm is None else norm
         if not finite_loss or not math.isfinite(float(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+            state.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
             if self.nonfinite_steps > self.recipe.train.skip_nonfinite_steps:
-                raise NonFiniteError(self._nonfinite_message(step, _what(finite_loss, float(norm)), skippable=True))
+                raise NonFiniteError(self.folder.nonfinite_message(step, _what(finite_loss, float(norm)), skippable=True))
             self.log(f"warning: step {step}: non-finite loss or gradient norm, skipped "
                      f"({self.nonfinite_steps} of train.skip_nonfinite_steps={self.recipe.train.skip_nonfinite_steps})")
             return float(norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        state.optimizer.step()
+        state.scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
         return float(norm)
