@@ -576,7 +576,7 @@ def test_one_owner_per_folder_runs_preparations_and_exports(workdir):
     from acre_train.data import prepare_stage1
     from acre_train.export.writer import export_model
     from acre_train.files import FolderBusy, FolderLock
-    from acre_train.train.recipe_checks import prepare_settings, validate_recipe
+    from acre_train.train.recipe_checks import validate_recipe
     from acre_train.train.recipe_schema import RecipeError
 
     _, first = run(recipe(workdir, "own-a", "train.max_steps=2"))
@@ -584,7 +584,7 @@ def test_one_owner_per_folder_runs_preparations_and_exports(workdir):
         with pytest.raises(FolderBusy, match=f"pid {os.getpid()}"):
             run(recipe(workdir, "own-b", "train.max_steps=1"))
     assert not (workdir / "own-b" / "metrics.jsonl").exists()
-    settings = prepare_settings(recipe(workdir, "own-c", "data.prepare.overwrite=true"))
+    settings = recipe(workdir, "own-c", "data.prepare.overwrite=true").prepare_settings()
     with FolderLock(settings.output):
         with pytest.raises(FolderBusy, match="in use by another preparation"):
             prepare_stage1(settings, log=lambda *_: None)

@@ -56,7 +56,7 @@ def test_overrides_reach_nested_sections():
     (["train.global_batch_size=8", "train.gradient_accumulation_steps=3"], 2,
      "train.global_batch_size=8 but micro_batch_size=1 x gradient_accumulation_steps=3 x 2 rank(s) = 6"),
     (["data.path=/nonexistent/data", "data.prepare=null"], 1, "data.path /nonexistent/data does not exist"),
-    (["stage=2"], 1, "stage 2 starts from stage-1 L1 weights: set model.init_from"),
+    (["stage=2", "data.prepare=null"], 1, "stage 2 starts from stage-1 L1 weights: set model.init_from"),
     (["model.init_from=/nonexistent/run"], 1, "model.init_from: /nonexistent/run is neither"),
     (["train.deepspeed=/nonexistent/ds.json"], 1, "train.deepspeed: /nonexistent/ds.json does not exist"),
     (["model.source=tiny:gpt2"], 1, "tiny architectures are llama, qwen2, qwen3, mistral"),
@@ -65,6 +65,17 @@ def test_overrides_reach_nested_sections():
 def test_cross_field_problems_have_one_actionable_message(overrides, world, message):
     problems = check_recipe(load_recipe(TINY, overrides), world_size=world)
     assert any(message in p for p in problems), problems
+
+
+def test_data_prepare_is_typed_by_the_stage_at_load():
+    """data.prepare is the stage's preparation settings: a key of the other stage, or a misspelled one, fails
+    when the recipe loads, named with the nearest valid key; a valid section reads back typed."""
+    with pytest.raises(RecipeError, match=r"data.prepare \(stage 2\): Stage2Settings: token_budget: unknown key"):
+        load_recipe(TINY, ["stage=2"])
+    with pytest.raises(RecipeError, match=r"min_lenght: unknown key; did you mean 'min_length'"):
+        load_recipe(TINY, ["data.prepare.min_lenght=8"])
+    settings = load_recipe(TINY, []).prepare_settings()
+    assert type(settings).__name__ == "Stage1Settings" and str(settings.output) == load_recipe(TINY, []).data.path
 
 
 def test_deepspeed_values_that_contradict_the_recipe_are_reported(tmp_path):

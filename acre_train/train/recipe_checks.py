@@ -165,7 +165,7 @@ def _check_data(recipe: Recipe) -> list[str]:
         from ..data.prepare import prepared_state
 
         try:
-            settings = prepare_settings(recipe)
+            settings = recipe.prepare_settings()
             stale = not settings.overwrite and prepared_state(settings) == "stale"
         except Exception as exc:  # DataError (inputs, tokenizer) or a settings TypeError
             return [f"data.prepare: {exc}"]
@@ -179,7 +179,7 @@ def _check_data(recipe: Recipe) -> list[str]:
         return [f"data.path {d.path} {state}; run 'acre-train preprocess stage{recipe.stage} --output {d.path} ...' "
                 "or add a data.prepare section"]
     try:
-        prepare_settings(recipe)
+        recipe.prepare_settings()
     except Exception as exc:  # DataError or TypeError from the settings dataclass
         return [f"data.prepare: {exc}"]
     import glob
@@ -188,17 +188,6 @@ def _check_data(recipe: Recipe) -> list[str]:
     if missing:
         return [f"data.path {d.path} does not exist and data.prepare.inputs {missing} match no file"]
     return []
-
-
-def prepare_settings(recipe: Recipe):
-    """The data package's settings object for ``data.prepare`` (output = ``data.path``)."""
-    from ..data import Stage1Settings, Stage2Settings
-
-    cls = Stage1Settings if recipe.stage == 1 else Stage2Settings
-    values = dict(recipe.data.prepare or {})
-    if "output" in values:
-        raise ValueError("data.prepare.output is data.path; remove it")
-    return cls.from_dict({**values, "output": recipe.data.path})
 
 
 # DeepSpeed keys the trainer fills from the recipe ("auto") and the recipe value each must equal.

@@ -4,7 +4,6 @@ misspelt key is an error naming the key and the nearest valid one). Loading and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
@@ -267,6 +266,25 @@ class Recipe(_Section):
             raise ValueError(f"run_name must be one folder name (no '/', '\\' or '..'), got {value!r}; "
                              "put the parent folder in output_root")
         return value
+
+    @model_validator(mode="after")
+    def _prepare_is_this_stages(self):
+        if self.data.prepare is not None:
+            try:
+                self.prepare_settings()
+            except ValueError as exc:  # the data package names the key and the nearest valid one
+                raise ValueError(f"data.prepare (stage {self.stage}): {exc}") from None
+        return self
+
+    def prepare_settings(self):
+        """``data.prepare`` typed: the data package's ``Stage1Settings``/``Stage2Settings`` of this stage, with
+        ``output = data.path`` (what ``acre-train preprocess stage{1,2}`` runs)."""
+        from ..data import Stage1Settings, Stage2Settings
+
+        values = dict(self.data.prepare or {})
+        if "output" in values:
+            raise ValueError("data.prepare.output is data.path; remove it")
+        return (Stage1Settings if self.stage == 1 else Stage2Settings).from_dict({**values, "output": self.data.path})
 
     @property
     def run_dir(self) -> Path:

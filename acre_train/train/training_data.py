@@ -15,7 +15,6 @@ import numpy as np
 
 from .batching import PLAN_COLUMNS, REFILL_INPUTS, Collator, epoch_batches, list_lengths, split_held_out
 from .distributed import DistInfo
-from .recipe_checks import prepare_settings
 from .recipe_schema import Recipe, RecipeError
 from .refill_sim import SimSettings
 from .vocabulary import data_vocabulary
@@ -61,7 +60,7 @@ def open_training_data(recipe: Recipe, info: DistInfo, global_batch: int,
         if info.is_main:
             from ..data import prepare_stage1, prepare_stage2
 
-            (prepare_stage1 if r.stage == 1 else prepare_stage2)(prepare_settings(r), log=log)
+            (prepare_stage1 if r.stage == 1 else prepare_stage2)(r.prepare_settings(), log=log)
         info.barrier()
     dataset, manifest = load_prepared(r.data.path)
     vocabulary = data_vocabulary(r.data.path, manifest, dataset)
