@@ -194,3 +194,25 @@ def test_the_published_long_tables_are_what_the_script_writes():
     from studies.long.cells import write_report
 
     assert write_report(check=True) == 0
+
+
+def test_a_row_added_to_a_finished_cell_is_reported_inside_it_and_marked(tmp_path, monkeypatch):
+    """``CELL+row`` runs (a baseline added after the cell's first run) join the cell's tables, marked."""
+    from studies.long import cells
+
+    def rows(method, score):
+        return [{"method": method, "score": score, "substring": score, "qa_f1": score, "prediction": "KX-1",
+                 "answers": ["KX-1"], "kv_attended": 10, "prompt_tokens": 100, "context_index": 0, "prepare_s": 1.0,
+                 "answer_s": 1.0, "memory_added_bytes": 0, "refill_coverage": 1.0, "refill_rank": 1}] * 4
+
+    monkeypatch.setattr(cells, "DOCS", tmp_path)
+    monkeypatch.setattr(cells, "CELLS", {"n": ("long_needles", 16, 4, "full,acre", 8),
+                                         "n+cachefocus": ("long_needles", 16, 4, "cachefocus", 8)})
+    for run, lines in (("n", rows("full", 1.0) + rows("acre", 0.5)), ("n+cachefocus", rows("cachefocus", 0.25))):
+        (tmp_path / "cells" / run).mkdir(parents=True)
+        (tmp_path / "cells" / run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    table = cells.table()
+    assert "| n | `cachefocus` (added later) | answer contained 25.0" in table and "n+cachefocus" not in table
+    assert "| n | `acre` | answer contained 50.0" in table
+    compact = cells.compact_table()
+    assert "25.0 (25–25) †" in compact and "† a row added after the cell's first run" in compact

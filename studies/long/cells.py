@@ -35,7 +35,24 @@ CELLS: dict[str, tuple[str, int, int, str, int]] = {
     "qa-16k": ("long_qa", 16384, 64, "full,truncated:budget=1536,cachefocus,acre", 48),
     "needles-64k": ("long_needles", 65536, 40, "full,cachefocus,acre", 32),
     "needles-128k": ("long_needles", 131072, 40, "full,cachefocus,acre", 32),
+    # A row added to a cell after its first run: the same questions, its own test run (and ledger line),
+    # reported inside the cell it extends and marked there as added later.
+    "needles-16k+cachefocus": ("long_needles", 16384, 64, "cachefocus", 32),
 }
+
+
+def cells() -> list[str]:
+    """The cells as reported (a ``CELL+row`` run is part of ``CELL``)."""
+    return [name for name in CELLS if "+" not in name]
+
+
+def added_rows(name: str) -> list[str]:
+    """The runs that added rows to cell ``name`` after its first run."""
+    return [other for other in CELLS if other.startswith(name + "+")]
+
+
+def has_run(name: str) -> bool:
+    return (DOCS / "cells" / name / "predictions.jsonl").is_file()
 
 
 def command(name: str, rerun: bool = False) -> list[str]:
@@ -65,8 +82,13 @@ def _interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def cell_rows(name: str) -> list[dict]:
-    path = DOCS / "cells" / name / "predictions.jsonl"
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    """The cell's predictions, with those of the rows added to it later (``added_later`` set on those)."""
+    rows = []
+    for run in [name, *(x for x in added_rows(name) if has_run(x))]:
+        path = DOCS / "cells" / run / "predictions.jsonl"
+        rows += [{**json.loads(x), **({"added_later": True} if run != name else {})}
+                 for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return rows
 
 
 def table() -> str:
@@ -74,8 +96,8 @@ def table() -> str:
     lines = ["| cell | row | score (95 % CI) | F1 | answer contained % | answer words | KV share % | "
              "build s / context | s / question | memory added GiB | n |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in CELLS:
-        if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
+    for name in cells():
+        if not has_run(name):
             continue
         rows = cell_rows(name)
         task, length, *_ = CELLS[name]
@@ -91,7 +113,8 @@ def table() -> str:
             build = sum(builds.values()) / max(1, len(builds))
             answer = sum(r.get("answer_s") or 0.0 for r in mine) / len(mine)
             memory = max((r.get("memory_added_bytes") or 0) for r in mine) / 2**30
-            lines.append(f"| {name} | `{method}` | {metric} {mean:.1f} ({lo:.1f}–{hi:.1f}) | {f1:.1f} | {contained:.1f} | {words} | "
+            later = " (added later)" if mine[0].get("added_later") else ""
+            lines.append(f"| {name} | `{method}`{later} | {metric} {mean:.1f} ({lo:.1f}–{hi:.1f}) | {f1:.1f} | {contained:.1f} | {words} | "
                          f"{share:.1f} | {build:.0f} | {answer:.1f} | {memory:.2f} | {len(mine)} |")
     return "\n".join(lines) + "\n"
 
@@ -103,8 +126,8 @@ def findings() -> str:
 
     lines = ["| cell | ACRE / full attention | evidence back whole % | score when back (n) | score when missed (n) | "
              "median rank of the evidence | wrong when back: another question's answer |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in CELLS:
-        if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
+    for name in cells():
+        if not has_run(name):
             continue
         rows = cell_rows(name)
         acre = [r for r in rows if r["method"] == "acre"]
@@ -136,15 +159,16 @@ def compact_table() -> str:
     lines = ["| cell | metric | " + " | ".join(columns.values()) + " | ACRE KV share % | ACRE build s | "
              "ACRE s / question | ACRE memory GiB | questions |",
              "|---|---|" + "---:|" * (len(columns) + 5)]
-    for name in CELLS:
-        if not (DOCS / "cells" / name / "predictions.jsonl").is_file():
+    for name in cells():
+        if not has_run(name):
             continue
         rows = cell_rows(name)
         metric = "F1" if CELLS[name][0] == "long_qa" else "contained"
         scores = []
         for method in columns:
             mine = [100.0 * r["score"] for r in rows if r["method"] == method]
-            scores.append("{:.1f} ({:.0f}–{:.0f})".format(*_interval(mine)) if mine else "–")
+            later = " †" if any(r.get("added_later") for r in rows if r["method"] == method) else ""
+            scores.append("{:.1f} ({:.0f}–{:.0f})".format(*_interval(mine)) + later if mine else "–")
         acre = [r for r in rows if r["method"] == "acre"]
         share = 100.0 * sum(r["kv_attended"] / r["prompt_tokens"] for r in acre) / len(acre)
         builds = {r.get("context_index"): r.get("prepare_s") or 0.0 for r in acre}
@@ -153,6 +177,8 @@ def compact_table() -> str:
         memory = max((r.get("memory_added_bytes") or 0) for r in acre) / 2**30
         lines.append(f"| {name} | {metric} | " + " | ".join(scores) +
                      f" | {share:.1f} | {build:.0f} | {answer:.1f} | {memory:.2f} | {len(acre)} |")
+    if any(r.get("added_later") for name in cells() if has_run(name) for r in cell_rows(name)):
+        lines.append("\n† a row added after the cell's first run: the same questions, its own single test run.")
     return "\n".join(lines) + "\n"
 
 
@@ -169,8 +195,7 @@ def ledger_lines() -> str:
 
 def page() -> str:
     head = (REPO / "studies" / "long" / "page.md").read_text(encoding="utf-8")
-    commands = "\n".join(f"    {' '.join(command(n))}" for n in CELLS
-                         if (DOCS / "cells" / n / "predictions.jsonl").is_file())
+    commands = "\n".join(f"    {' '.join(command(n))}" for n in CELLS if has_run(n))
     return (head.replace("{table}", table()).replace("{findings}", findings()).replace("{ledger}", ledger_lines())
             .replace("{commands}", commands or "    (none yet)"))
 
