@@ -64,8 +64,6 @@ def list_array(values: Sequence, value_type) -> "pyarrow.ListArray":  # noqa: F8
     offsets and one concatenated array of ``value_type``, so no token goes through Python one by one."""
     import itertools
 
-    import pyarrow as pa
-
     dtype = value_type.to_pandas_dtype()
     lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
     if values and isinstance(values[0], np.ndarray):

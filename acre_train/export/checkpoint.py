@@ -90,7 +90,6 @@ def load_checkpoint_model(path: str | Path, *, dtype: torch.dtype | None = None)
     from transformers import AutoModelForCausalLM
 
     from ..train.checkpoint import DS_DIR, DS_TAG, find_weights_checkpoint, load_trainable, read_meta
-    from ..train.recipe import read_yaml
 
     checkpoint = find_weights_checkpoint(Path(path))
     meta = read_meta(checkpoint)

@@ -27,7 +27,7 @@ context it answers from (``acre.inference.bands``, written by ``acre-train calib
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import key_hint

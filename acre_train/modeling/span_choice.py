@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .scoring import pool_heads, segment_scores, window_scores
+from .scoring import segment_scores, window_scores
 from .selection_words import GROW_SHAPES
 
 

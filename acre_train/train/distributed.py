@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerLost  # noqa: F401 (raised by the trainer; the CLI reports it)
 
 
 @dataclass

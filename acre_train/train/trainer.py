@@ -37,7 +37,8 @@ from .batching import label_count, rank_micro_batches
 from ..measure import PeakMemory
 from .callbacks import StepLogger
 from .cost import step_flops
-from .distributed import DistInfo, PeerLost, peer_failure, setup, teardown
+from ..errors import PeerLost
+from .distributed import DistInfo, peer_failure, setup, teardown
 from .liger import apply_liger
 from .model import LossModule, build_model
 from .refill_loss import num_samples as refill_samples

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from acre_train.data.squad import TRAIN_PARITY, split_articles, squad_articles, subset_squad  # noqa: F401 (the study's names)
+from acre_train.data.squad import split_articles, squad_articles
 
 
 def write_text_mix(squad_path: str | Path, out: str | Path) -> Path:

@@ -38,7 +38,9 @@ from typing import Callable
 
 from acre_train.modeling.geometry import WindowGeometry
 from acre_train.train.recipe import PACKAGED_RECIPES
-from .streams import EVAL_SEED, split_articles, stage2_conversations, subset_squad, write_jsonl, write_text_mix
+from acre_train.data.squad import subset_squad
+
+from .streams import EVAL_SEED, split_articles, stage2_conversations, write_jsonl, write_text_mix
 
 BASE = "base:qwen2.5-coder-0.5b-instruct"
 FULL_COPY = ("model.l1=full", "train.learning_rate=5e-5")  # the paper's lr for full L1 copies

@@ -116,7 +116,7 @@ def export(root: Path) -> Path:
 
 
 def squad_splits(root: Path, squad: Path) -> tuple[Path, Path]:
-    from studies.real.streams import split_articles, subset_squad
+    from acre_train.data.squad import split_articles, subset_squad
 
     train, held = split_articles(squad)
     dev, evals = root / "squad-train.json", root / "squad-heldout.json"

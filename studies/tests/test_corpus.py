@@ -7,7 +7,7 @@ import json
 from acre_train.data.builtin import builtin_qa
 from acre_train.data.tiny_tokenizer import tiny_tokenizer
 from studies.real.corpus import stage1_corpus, stage2_large
-from studies.real.streams import split_articles, subset_squad
+from acre_train.data.squad import split_articles, subset_squad
 
 
 def test_stage1_corpus_reaches_its_token_target_in_bounded_distinct_pieces(tmp_path):

@@ -56,7 +56,6 @@ import run as scorer_study  # noqa: E402
 from sparse_full import sparse_answer  # noqa: E402
 
 from acre_train.infer.engine import AcreEngine  # noqa: E402
-from acre_train.modeling.interleave import interleave  # noqa: E402
 from acre_train.modeling.rope import Rope  # noqa: E402
 
 ARMS = ("acre", "full_kv", "no_q_l1", "full_kv_no_q_l1", "sparse_full")
