@@ -99,6 +99,6 @@ def rows_table(rows: list[dict[str, Any]], schema) -> "pyarrow.Table":  # noqa: 
 def column_values(rows, name: str) -> list:
     """A ``datasets.Dataset`` column as a Python list, read from Arrow in one call (selections honoured).
 
-    Iterating ``rows[name]`` formats each row apart: 0.1-0.2 s per few thousand rows, as much as the
-    rest of a small preparation's bookkeeping."""
+    Iterating ``rows[name]`` formats each row apart, which costs as much as the rest of a small
+    preparation's bookkeeping."""
     return rows.select_columns([name]).with_format("arrow")[:].column(name).to_pylist()

@@ -177,10 +177,10 @@ class BatchEncoder:
     """Encodes batches of texts to token ids (no special tokens) inside ``datasets.map`` workers.
 
     Why not the tokenizer itself: ``datasets`` pickles a map's arguments once per worker job, and a
-    transformers tokenizer object pickles slowly (2.4 s for Qwen2.5's, in the parent, per job: two
-    processes ran slower than one). Where the tokenizer has a Rust backend, this carries only that
-    (0.1 s) and calls its ``encode_batch_fast`` -- the wrapper's ``encode_batch`` without the character
-    offsets, which stage 1 never reads (the same ids, ~13 % faster on Qwen2.5's) -- with truncation and
+    transformers tokenizer object pickles slowly (seconds, in the parent, per job: two processes can run
+    slower than one). Where the tokenizer has a Rust backend, this carries only that (a fraction of the
+    cost) and calls its ``encode_batch_fast`` -- the wrapper's ``encode_batch`` without the character
+    offsets, which stage 1 never reads (the same ids, faster: ``benchmarks/prep_throughput.py``) -- with truncation and
     padding off, as ``tokenizer(texts, add_special_tokens=False)`` has them.
 
     >>> BatchEncoder(tokenizer)(["some text", "more"])  # [[...], [...]]

@@ -110,8 +110,8 @@ class BiLayerCache:
     def l2_keys_rotated(self, model: nn.Module, layer: int) -> torch.Tensor:
         """One layer's raw keys ``[H_kv, N2, D]`` rotated at their text positions ``0..N2-1``, on the
         model's device: what the ``l2`` scorer reads every question. Made at the first question and kept
-        (``rotated``): a scoring layer's copy is ``1 / num_layers`` of the L2 keys, and re-making it cost
-        every question a pass over them (0.4 s at 128K tokens on 2 cores)."""
+        (``rotated``): a scoring layer's copy is ``1 / num_layers`` of the L2 keys, and re-making it would
+        cost every question a pass over them."""
         made = self.rotated.get(layer)
         if made is None or made[0] is not self.l2_keys:  # (a copy of this cache with other L2 keys remakes it)
             keys = self.l2_keys[layer].to(self.l1_keys.device, non_blocking=True)

@@ -109,8 +109,8 @@ class ScorerSettings:
             raise ValueError(f"unscored applies to the l2 scorer's per-token mass (a kind that ranks tokens), "
                              f"not to {self.kind}")
         if self.unscored and not (self.keep_sinks and self.sinks):
-            # Held out at 2K SQuAD, unscored=32 alone refilled the whole evidence for 96 % of the questions
-            # and answered 17.9 F1 where it did (56.3 with the sink tokens kept): no region ever covered them.
+            # Without the sinks no grown region ever covers the context's first tokens, and answers collapse
+            # even where the evidence came back (docs/real-base/record.md, "unscored").
             raise ValueError("unscored=N stops the context's first tokens from placing a refill, so the attention "
                              "sinks decoding needs would never come back: add sinks=N and keep_sinks=tokens (or 1)")
 

@@ -11,8 +11,7 @@ Two costs of transformers' ``sdpa`` attention on the CPU, both avoided inside :f
 * **One query token runs per head.** A decoding step's single query row goes through SDPA's grouped
   path one head at a time. Folding the query heads that share a KV head into rows of that head
   (``[B, H, 1, D]`` -> ``[B, H_kv, H / H_kv, D]``, one softmax per row over the same keys) is the same
-  arithmetic in half the time here: 0.37 against 0.75 ms per layer over 6K keys, 0.92 against 1.73 ms
-  over 12K (Qwen2.5-0.5B's heads, 2 threads). transformers folds the same way only when a mask is
+  arithmetic in about half the time on CPU (``benchmarks/inference_cost.py --compare-fold``). transformers folds the same way only when a mask is
   passed and the switch above is off; the block routes every single-query call there (the ACRE
   kernels' decoding steps and the baselines' alike).
 
