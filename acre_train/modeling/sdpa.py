@@ -11,9 +11,9 @@ Two costs of transformers' ``sdpa`` attention on the CPU, both avoided inside :f
 * **One query token runs per head.** A decoding step's single query row goes through SDPA's grouped
   path one head at a time. Folding the query heads that share a KV head into rows of that head
   (``[B, H, 1, D]`` -> ``[B, H_kv, H / H_kv, D]``, one softmax per row over the same keys) is the same
-  arithmetic in about half the time on CPU (``benchmarks/inference_cost.py --compare-fold``). transformers folds the same way only when a mask is
-  passed and the switch above is off; the block routes every single-query call there (the ACRE
-  kernels' decoding steps and the baselines' alike).
+  arithmetic in about half the time on CPU (``benchmarks/inference_cost.py --compare-fold``).
+  transformers folds the same way only when a mask is passed and the switch above is off; the block
+  routes every single-query call there (the ACRE kernels' decoding steps and the baselines' alike).
 
 Training is left alone: its kernels and their gradients stay exactly as pinned.
 """
