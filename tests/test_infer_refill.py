@@ -448,3 +448,43 @@ def test_a_closed_tail_scores_alike_and_answers_alike_when_nothing_is_refilled(s
     loaded = closed_engine.load_cache(save_cache(closed, tmp_path / "closed.safetensors"))
     assert torch.equal(loaded.tail_keys, closed.tail_keys)
     assert closed_engine.answer(loaded, q).token_ids == closed_engine.answer(closed, q).token_ids
+
+
+def test_a_refill_after_the_closed_tail_is_the_tail_then_the_refilled_tokens_then_the_question():
+    """refill_after_tail keeps the L1 memory (and the pending raw tokens) at the front, then the closed
+    tail, then the refilled raw tokens in text order, each rotated at the next compact positions, then the
+    question. Checked against that KV written out by hand (RoPE from its formula); with nothing refilled
+    it is the closed tail's answer exactly."""
+    from acre_train.modeling.scoring_pass import open_chunk_plan, run_open_chunk, slice_plan
+
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=12, interval=4)
+    ctx, q = _ids(47, 21), _ids(6, 22)  # chunks 16 + 12 + 12, a raw tail of 7
+    refill = RefillSettings(working_window=200, max_refill=8, scorer="l1:layers=-1", max_new_tokens=3,
+                            close_tail=True, refill_after_tail=True)
+    engine = AcreEngine(model, cache_settings=settings, refill=refill)
+    cache = engine.build(ctx)
+    finished = int(cache.span_bounds[-1])
+
+    empty_before = engine.answer(cache, q, selected=[], refill_after_tail=False)
+    empty_after = engine.answer(cache, q, selected=[])
+    torch.testing.assert_close(empty_after.first_logits, empty_before.first_logits, atol=0, rtol=0)
+    assert empty_after.token_ids == empty_before.token_ids
+
+    chosen = [0, 2]
+    got = engine.answer(cache, q, selected=chosen)
+    base = assemble(model, cache, torch.zeros(finished, dtype=torch.bool))  # L1 entries + pending tokens
+    idx = torch.nonzero(span_tokens(cache.span_bounds, torch.tensor(chosen))).flatten()
+    start, tail = base.length, cache.tail_keys.shape[2]
+    theta = _theta(model)
+    keys = torch.cat([base.keys, _rope(cache.tail_keys, range(start, start + tail), theta),
+                      _rope(cache.l2_keys[:, :, idx], range(start + tail, start + tail + len(idx)), theta)], dim=2)
+    values = torch.cat([base.values, cache.tail_values, cache.l2_values[:, :, idx]], dim=2)
+    plan = slice_plan(open_chunk_plan(cache, q), tail)
+    hidden = run_open_chunk(model, plan, offset=keys.shape[2], prefix=lambda x: (keys[x][None], values[x][None]),
+                            capture=lambda *a: None, device=torch.device("cpu"), want_hidden=True)
+    last_raw = int(np.nonzero(~plan.is_l1)[0][-1])
+    torch.testing.assert_close(got.first_logits, model.lm_head(hidden[0, last_raw]).float(), atol=ATOL, rtol=0)
+    assert got.selected == chosen
+    with pytest.raises(ValueError, match="needs close_tail"):
+        RefillSettings(refill_after_tail=True)

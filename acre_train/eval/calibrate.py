@@ -195,16 +195,16 @@ def band_limits(lengths: Sequence[int]) -> list[int | None]:
 def write_choice(export: Path, per_length: Sequence[tuple[int, list[dict[str, Any]]]], meta: dict[str, Any]) -> Selection | LengthBands:
     """Store the best setting (one calibrated length) or one per length band (several) in
     ``export/config.json``, and the tables beside it (each file atomically). The export's stored
-    ``positions`` and ``close_tail`` are kept."""
+    ``positions``, ``close_tail`` and ``refill_after_tail`` are kept."""
     from ..files import write_text_atomic
 
     config_path = export / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     inference = config.setdefault("acre", {}).setdefault("inference", {})
-    positions, close_tail = inference.get("positions", "compact"), bool(inference.get("close_tail", False))
+    positions = inference.get("positions", "compact")
+    tail = {key: bool(inference.get(key, False)) for key in ("close_tail", "refill_after_tail")}
     per_length = sorted(per_length, key=lambda item: item[0])
-    chosen = [Selection(**{**_best_selection(rows, positions).__dict__, "close_tail": close_tail})
-              for _, rows in per_length]
+    chosen = [Selection(**{**_best_selection(rows, positions).__dict__, **tail}) for _, rows in per_length]
     inference.update(chosen[0].to_dict())
     result: Selection | LengthBands = chosen[0]
     if len(chosen) > 1:

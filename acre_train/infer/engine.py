@@ -210,22 +210,31 @@ class AcreEngine:
         if "score_pass_s" in timings:  # the rest: ranking the spans and choosing the tokens to refill
             timings["select_s"] = timings["score_s"] - timings["score_pass_s"]
 
-        tic = time.perf_counter()
-        refilled = assemble(self.model, cache, refill_tokens, settings.positions)
-        timings["refill_s"] = time.perf_counter() - tic
-        self._check_room(refilled.next_position, len(plan), settings.max_new_tokens)
-
-        tic = time.perf_counter()
-        interval = self.cache_settings.interval
-        capacity = refilled.length + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
-        kv = _KV(refilled.keys, refilled.values, capacity, position=refilled.next_position)
         close_tail = self.close_tail or settings.close_tail
         if close_tail and cache.tail_ids and cache.tail_keys is None:  # a cache saved without it
             self._close_tail(cache)
-        if close_tail and cache.tail_keys is not None:  # the closed tail goes in as KV; only the question runs
-            rope = Rope.of(self.model)
-            kv.extend({layer: (rope.rotate(cache.tail_keys[layer], torch.arange(kv.position, kv.position + cache.tail_keys.shape[2])),
-                               cache.tail_values[layer]) for layer in range(cache.tail_keys.shape[0])})
+        closed = close_tail and cache.tail_keys is not None
+        # refill_after_tail: the refilled tokens go after the closed tail, next to the question, not before
+        # their L1 entries (the L1 memory and the pending raw tokens stay where they are)
+        after = closed and settings.refill_after_tail
+        tic = time.perf_counter()
+        placed = torch.zeros(int(cache.span_bounds[-1]), dtype=torch.bool) if after else refill_tokens
+        refilled = assemble(self.model, cache, placed, settings.positions)
+        timings["refill_s"] = time.perf_counter() - tic
+        moved = torch.nonzero(refill_tokens).flatten() if after else None  # refill_tokens: a mask of raw tokens
+        extra = len(moved) if moved is not None else 0
+        self._check_room(refilled.next_position + extra, len(plan), settings.max_new_tokens)
+
+        tic = time.perf_counter()
+        interval = self.cache_settings.interval
+        capacity = refilled.length + extra + len(plan) + settings.max_new_tokens * (1 + interval) // interval + 1
+        kv = _KV(refilled.keys, refilled.values, capacity, position=refilled.next_position)
+        if closed:  # the closed tail goes in as KV; only the question runs
+            self._extend_rotated(kv, cache.tail_keys, cache.tail_values)
+            if after and extra:
+                index = moved
+                self._extend_rotated(kv, cache.l2_keys.index_select(2, index).to(kv.keys.device, kv.keys.dtype),
+                                     cache.l2_values.index_select(2, index).to(kv.keys.device, kv.keys.dtype))
             plan = self._question_plan(cache, q_ids)
         first_logits = self._prefill(kv, plan)
         timings["prefill_s"] = time.perf_counter() - tic
@@ -285,6 +294,12 @@ class AcreEngine:
         layers = range(self.model.config.num_hidden_layers)
         cache.tail_keys = torch.stack([keys[x] for x in layers])
         cache.tail_values = torch.stack([values[x] for x in layers])
+
+    def _extend_rotated(self, kv: _KV, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append pre-RoPE ``keys``/``values`` ``[L, H_kv, T, D]`` to ``kv``, rotated at its next positions."""
+        rope = Rope.of(self.model)
+        rotation = torch.arange(kv.position, kv.position + keys.shape[2])
+        kv.extend({layer: (rope.rotate(keys[layer], rotation), values[layer]) for layer in range(keys.shape[0])})
 
     def _question_plan(self, cache: BiLayerCache, q_ids: Sequence[int]):
         """The question's part of the open chunk, positions from 0 (after the closed tail)."""

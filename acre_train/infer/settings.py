@@ -31,7 +31,8 @@ class RefillSettings:
     ``positions``: ``compact`` rotates the refilled cache at ``0..P-1`` (DESIGN.md §5); ``text`` at each
     token's index in the whole context, so refilled spans keep their distances in the text (the context
     must then fit the base's native window; ``modeling/selection.py:POSITIONS``).
-    ``close_tail``: the prefill reuses the raw tail's KV from the build (``AcreEngine``).
+    ``close_tail``: the prefill reuses the raw tail's KV from the build (``AcreEngine``);
+    ``refill_after_tail``: the refilled tokens then sit after that tail, next to the question.
     ``bands``: a selection per band of context lengths (``modeling/selection.py:LengthBands``); when set,
     the engine answers with the band of the cache's length (:meth:`for_length`) instead of the fields above.
     """
@@ -44,6 +45,7 @@ class RefillSettings:
     grow_shape: str = "attention"
     positions: str = "compact"
     close_tail: bool = False
+    refill_after_tail: bool = False
     bands: LengthBands | None = None
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
@@ -63,14 +65,16 @@ class RefillSettings:
     def selection(self) -> Selection:
         """The selection fields as one :class:`Selection` (``max_refill`` is the geometry's, left out)."""
         return Selection(scorer=self.scorer, neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape,
-                         positions=self.positions, close_tail=self.close_tail)
+                         positions=self.positions, close_tail=self.close_tail,
+                         refill_after_tail=self.refill_after_tail)
 
     def with_selection(self, selection: Selection) -> "RefillSettings":
         """These settings answering with ``selection`` (its ``eta`` where it sets one)."""
         eta = self.max_refill if selection.max_refill is None else selection.max_refill
         return self.replace(scorer=selection.scorer, neighbors=selection.neighbors, grow=selection.grow,
                             grow_shape=selection.grow_shape, positions=selection.positions,
-                            close_tail=selection.close_tail, max_refill=eta)
+                            close_tail=selection.close_tail, refill_after_tail=selection.refill_after_tail,
+                            max_refill=eta)
 
     def for_length(self, num_tokens: int) -> "RefillSettings":
         """The settings for a context of ``num_tokens`` tokens: its length band's selection, if any."""
@@ -142,7 +146,7 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     selection, bands = stored_selection(inference_section(config))
     if overrides.get("selection") is not None:  # a whole selection replaces the export's, bands and all
         selection, bands = Selection.parse(overrides["selection"]), None
-    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions")}
+    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions", "refill_after_tail")}
     selection = selection.with_overrides(asked)
     if overrides.get("scoring_layers") is not None:
         scorer = replace_(selection.scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))

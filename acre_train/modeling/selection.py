@@ -3,15 +3,16 @@
 A :class:`Selection` is the scorer (``modeling/scorer_spec.py:ScorerSettings``) plus the rule that turns
 its scores into refilled tokens: whole spans (optionally each with its better neighbour) or ``grow``
 token regions of a ``grow_shape``; where the refilled cache is rotated (``positions``); whether the
-context's raw tail is closed at build time (``close_tail``); and optionally the refill's length
+context's raw tail is closed at build time (``close_tail``) and whether the refilled tokens then go
+after it, next to the question (``refill_after_tail``); and optionally the refill's length
 ``max_refill`` (η) where it differs from the export's geometry.
 
 One spelling, which :meth:`Selection.describe` writes and :meth:`Selection.parse` reads back::
 
     l2:layers=3,heads=max,sinks=4,keep_sinks=first +grow=2,densest @text eta=512 close_tail
 
-the scorer spec, then ``+neighbors`` or ``+grow=N[,shape]``, ``@text`` for text positions, ``eta=N``
-and ``close_tail`` — each optional, in any order after the scorer.
+the scorer spec, then ``+neighbors`` or ``+grow=N[,shape]``, ``@text`` for text positions, ``eta=N``,
+``close_tail`` and ``refill_after_tail`` — each optional, in any order after the scorer.
 
 :class:`LengthBands` holds one selection per band of context lengths. A setting calibrated at one
 length can fail at another (a rule whose cost grows with the number of chunks, a budget sized for a
@@ -34,7 +35,8 @@ from ..errors import key_hint
 from .scorer_spec import ScorerSettings
 from .selection_words import GROW_SHAPES, POSITIONS
 
-SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail", "max_refill")
+SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail", "refill_after_tail",
+                  "max_refill")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Selection:
     grow_shape: str = "attention"
     positions: str = "compact"
     close_tail: bool = False
+    refill_after_tail: bool = False  # with close_tail: the refilled tokens after the closed tail, not before it
     max_refill: int | None = None  # eta; None: the export's geometry
 
     def __post_init__(self) -> None:
@@ -63,6 +66,11 @@ class Selection:
                              f"{self.scorer.describe()} ranks whole spans (use an l2 scorer, or grow=0)")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        if self.refill_after_tail and not self.close_tail:
+            raise ValueError("refill_after_tail places the refill after a closed tail: it needs close_tail")
+        if self.refill_after_tail and self.positions != "compact":
+            raise ValueError("refill_after_tail moves the refilled tokens out of text order: it needs @compact "
+                             "positions")
         if self.max_refill is not None and int(self.max_refill) < 0:
             raise ValueError(f"max_refill (eta) must be >= 0, got {self.max_refill}")
 
@@ -81,6 +89,8 @@ class Selection:
             out += f" eta={self.max_refill}"
         if self.close_tail:
             out += " close_tail"
+        if self.refill_after_tail:
+            out += " refill_after_tail"
         return out
 
     @classmethod
@@ -104,17 +114,18 @@ class Selection:
                 values["positions"] = word[1:]
             elif m := re.fullmatch(r"eta=(\d+)", word):
                 values["max_refill"] = int(m.group(1))
-            elif word == "close_tail":
-                values["close_tail"] = True
+            elif word in ("close_tail", "refill_after_tail"):
+                values[word] = True
             else:
-                raise ValueError(f"selection word {word!r} is not +neighbors, +grow=N[,shape], @positions, eta=N or "
-                                 f"close_tail (in {spec!r})")
+                raise ValueError(f"selection word {word!r} is not +neighbors, +grow=N[,shape], @positions, eta=N, "
+                                 f"close_tail or refill_after_tail (in {spec!r})")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """What an export's ``acre.inference`` stores (``max_refill`` only where set)."""
         out = {"scorer": self.scorer.describe(), "neighbors": self.neighbors, "grow": self.grow,
-               "grow_shape": self.grow_shape, "positions": self.positions, "close_tail": self.close_tail}
+               "grow_shape": self.grow_shape, "positions": self.positions, "close_tail": self.close_tail,
+               "refill_after_tail": self.refill_after_tail}
         if self.max_refill is not None:
             out["max_refill"] = self.max_refill
         return out
@@ -129,7 +140,7 @@ class Selection:
             if key not in SELECTION_KEYS:
                 raise ValueError(f"unknown selection key {key!r}{key_hint(key, SELECTION_KEYS)}")
             picked[key] = value
-        for key in ("neighbors", "close_tail"):
+        for key in ("neighbors", "close_tail", "refill_after_tail"):
             if key in picked:
                 picked[key] = _flag(picked[key])
         if picked.get("neighbors") and picked.get("grow"):

@@ -49,6 +49,9 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "close_tail": ("--close-tail", dict(action=argparse.BooleanOptionalAction, help=(
         "run the context's unfinished last chunk once when the cache is built (a question then runs only its "
         "own tokens; the tail attends to the L1 memory, not the refilled spans); default: the export's, else off"))),
+    "refill_after_tail": ("--refill-after-tail", dict(action=argparse.BooleanOptionalAction, help=(
+        "with --close-tail: put the refilled tokens after the closed tail, next to the question, instead of "
+        "before it (docs/selection.md); default: the export's, else off"))),
 }
 
 

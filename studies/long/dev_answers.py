@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from acre_train.eval.long_tasks import build_long_task
     from acre_train.eval.metrics import substring_match
-    from acre_train.infer import AcreEngine
+    from acre_train.infer import AcreEngine, save_cache
     from acre_train.infer.load import load_export
     from acre_train.infer.settings import inference_settings
     from acre_train.modeling.selection import Selection
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--squad", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--out", default="checkpoints/long/dev-answers.jsonl")
+    parser.add_argument("--caches", default=None, metavar="DIR",
+                        help="keep each context's cache here and load it on a later run (a 16K build takes minutes)")
     args = parser.parse_args(argv)
 
     model, tok, data = load_export(args.export, dtype=torch.float32)
@@ -49,9 +51,16 @@ def main(argv: list[str] | None = None) -> int:
             group = [e for e in examples if e.meta["context_id"] == cid]
             tic = time.perf_counter()
             context = group[0].context if group[0].context is not None else "\n\n".join(group[0].documents)
-            cache = engine.build(f"{group[0].instruction}\n\n{context}" if group[0].instruction else context,
-                                 progress=False)
-            print(f"{cid}: built in {time.perf_counter() - tic:.0f}s", flush=True)
+            saved = Path(args.caches) / f"{cid}.safetensors" if args.caches else None
+            if saved is not None and saved.is_file():
+                cache = engine.load_cache(saved)
+                print(f"{cid}: loaded {saved}", flush=True)
+            else:
+                cache = engine.build(f"{group[0].instruction}\n\n{context}" if group[0].instruction else context,
+                                     progress=False)
+                print(f"{cid}: built in {time.perf_counter() - tic:.0f}s", flush=True)
+                if saved is not None:
+                    save_cache(cache, saved)
             for e in group:
                 for s in selections:
                     a = engine.answer(cache, e.question, **_overrides(s))
@@ -68,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _overrides(selection) -> dict:
     out = {"scorer": selection.scorer, "neighbors": selection.neighbors, "grow": selection.grow,
-           "grow_shape": selection.grow_shape, "positions": selection.positions, "close_tail": selection.close_tail}
+           "grow_shape": selection.grow_shape, "positions": selection.positions, "close_tail": selection.close_tail,
+           "refill_after_tail": selection.refill_after_tail}
     if selection.max_refill is not None:
         out["max_refill"] = selection.max_refill
     return out
