@@ -69,6 +69,15 @@ def test_jsonl_roundtrip_and_errors(tmp_path, tok):
     path = tmp_path / "t.jsonl"
     save_jsonl(exs, path)
     assert [e.to_dict() for e in load_jsonl(path)] == [e.to_dict() for e in exs]
+
+    def interrupted():
+        yield exs[0]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a write stopped halfway leaves the old file whole, and no other
+        save_jsonl(interrupted(), path)
+    assert [e.to_dict() for e in load_jsonl(path)] == [e.to_dict() for e in exs]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": 1, "question": "q", "answers": ["a"], "context": "c", "documnets": []}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: unknown field\(s\) \['documnets'\]"):

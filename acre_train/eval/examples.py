@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..files import atomic_path
+
 _METRICS = {"qa_f1", "exact_match", "substring", "rouge_l"}
 _MODES = {"any", "all", "fraction"}
 
@@ -101,7 +103,9 @@ def load_jsonl(path: str | Path) -> list[Example]:
 
 
 def save_jsonl(examples: Iterable[Example], path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Write ``examples`` one per line; the file appears whole or not at all (an interrupted write leaves
+    no half file under the final name)."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for e in examples:
             f.write(json.dumps(e.to_dict(), ensure_ascii=False) + "\n")
 
