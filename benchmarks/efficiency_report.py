@@ -92,7 +92,8 @@ def table(run: dict, full: dict[int, dict] | None = None) -> list[str]:
         tokens = acre.get("context_tokens", row["size"])
         label = f"{_k(row['size'])} ({tokens:,})"
         if "error" not in acre:
-            for name, r in (("ACRE, tail re-run (exact)", acre), ("ACRE, closed tail", closed)):
+            shut = "ACRE, closed tail, refill after it" if (closed or {}).get("refill_after_tail") else "ACRE, closed tail"
+            for name, r in (("ACRE, tail re-run (exact)", acre), (shut, closed)):
                 if not r or "error" in r:
                     continue
                 lines.append(f"| {label} | {name} | {_s(r['build_s'])} ({_floors(r)}) | "

@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-acre", action="store_true", help="skip ACRE (e.g. to compare full attention's caches)")
     p.add_argument("--close-tail", action="store_true",
                    help="also ACRE with the raw tail closed into the cache at build time (a question runs only its own tokens)")
+    p.add_argument("--refill-after-tail", action="store_true",
+                   help="with --close-tail: the closed arm puts the refilled tokens after the closed tail, next to the "
+                        "question (selection word refill_after_tail)")
     p.add_argument("--full-cache", choices=["growing", "dynamic"], default="growing",
                    help="full attention's cache: growing (in place, its floor) or transformers' DynamicCache "
                         "(grows by concatenation: copies the whole cache every decoding step)")
@@ -207,7 +210,8 @@ def run_acre(args, size: int) -> dict:
             builds.append(time.perf_counter() - tic)
             engine.answer(cache, questions[1])  # untimed: first-call costs (allocator, code paths, rotated keys)
             tails = (False, True) if args.close_tail else (False,)
-            answered = {closed: _ask_acre(engine, cache, questions[2:], closed) for closed in tails}
+            answered = {closed: _ask_acre(engine, cache, questions[2:], closed, args.refill_after_tail and closed)
+                        for closed in tails}
     rates = machine_rates(args.device)
     chunks: list[int] = []
     rows, pairs = acre_build_work(len(context), cache_settings.first_chunk, cache_settings.stride, cache_settings.interval,
@@ -229,6 +233,7 @@ def run_acre(args, size: int) -> dict:
         tail = int(cache.tail_keys.shape[2]) if cache.tail_keys is not None else 0
         out["closed" if closed else "open"] = {
             **shared, "question_s": statistics.median(totals), "tail_plan": tail,
+            "refill_after_tail": bool(closed and args.refill_after_tail),
             "ttft_s": statistics.median(x.timings["score_s"] + x.timings["refill_s"] + x.timings["prefill_s"] for x in answers),
             "decode_token_s": statistics.median(x.timings["decode_s"] / max(1, len(x.token_ids) - 1) for x in answers),
             "working_cache_mib": _kv_mib(model, a.cache_length), "k": a.k, "cache_length": a.cache_length,
@@ -240,15 +245,15 @@ def run_acre(args, size: int) -> dict:
     return out
 
 
-def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool):
-    """``(answers, seconds each)`` of ``questions`` on ``cache``, the raw tail closed or not."""
-    engine.close_tail = close_tail
+def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool, after: bool = False):
+    """``(answers, seconds each)`` of ``questions`` on ``cache``, the raw tail closed or not (``after``: the
+    refill placed after the closed tail); the length band's selection otherwise."""
+    tail = {"close_tail": close_tail, "refill_after_tail": after}
     answers, totals = [], []
     for q in questions:
         tic = time.perf_counter()
-        answers.append(engine.answer(cache, q))
+        answers.append(engine.answer(cache, q, **tail))
         totals.append(time.perf_counter() - tic)
-    engine.close_tail = False
     return answers, totals
 
 
@@ -468,7 +473,8 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
         return f"{full[key] / acre[key]:5.2f}x"
 
     print(f"context {size:>6} tokens")
-    for name, r in (("ACRE", acre), *((("ACRE closed tail", closed),) if closed else ()), ("full", full)):
+    shut = "ACRE closed tail" + (" (refill after it)" if closed and closed.get("refill_after_tail") else "")
+    for name, r in (("ACRE", acre), *(((shut, closed),) if closed else ()), ("full", full)):
         if "error" in r:
             print(f"  {name:<5} {r['error']}")
             continue

@@ -20,7 +20,8 @@ SETTINGS = CacheSettings(first_chunk=16, stride=8, interval=4)
 
 @pytest.mark.parametrize("spec", ["l1:layers=-1", "l2:layers=3,heads=max +neighbors",
                                   "l2:layers=0+2,heads=max,sinks=4,keep_sinks=first +grow=2,densest @text eta=48",
-                                  "bounds:layers=1,sinks=2,keep_sinks=1 close_tail"])
+                                  "bounds:layers=1,sinks=2,keep_sinks=1 close_tail",
+                                  "l2:layers=1,heads=max +grow=2,sentences eta=64 close_tail refill_after_tail"])
 def test_a_selection_reads_back_what_it_writes_in_both_spellings(spec):
     s = Selection.parse(spec)
     assert s.describe() == spec
@@ -31,7 +32,9 @@ def test_a_selection_reads_back_what_it_writes_in_both_spellings(spec):
                                           ("l1:layers=-1 +grow=1", "l2 scorer"),
                                           ("l2:layers=1 +grow=1,round", "grow_shape"),
                                           ("l2:layers=1 @gapped", "positions"),
-                                          ("l2:layers=1 grow=2", "selection word 'grow=2'")])
+                                          ("l2:layers=1 grow=2", "selection word 'grow=2'"),
+                                          ("l2:layers=1 refill_after_tail", "needs close_tail"),
+                                          ("l2:layers=1 @text close_tail refill_after_tail", "needs @compact")])
 def test_a_selection_that_cannot_be_made_names_why(spec, message):
     with pytest.raises(ValueError, match=message):
         Selection.parse(spec)
@@ -114,7 +117,8 @@ BANDED = {"acre": {"inference": {"first_chunk": 16, "stride": 8, "interval": 4, 
 
 def test_the_selection_flags_are_the_words_table_and_reach_the_engine_settings():
     """chat/generate's flags come from one table; --selection replaces the export's selection and bands
-    (its eta included, an explicit --max-refill winning), --close-tail keeps the bands and closes each."""
+    (its eta included, an explicit --max-refill winning), --close-tail (and --refill-after-tail) keeps the
+    bands and sets each's tail."""
     import argparse
 
     from acre_train.modeling.selection_words import FLAGS, add_selection_flags, selection_overrides
@@ -130,6 +134,11 @@ def test_the_selection_flags_are_the_words_table_and_reach_the_engine_settings()
     assert refill.max_refill == 40
     _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--close-tail"])))
     assert [s.close_tail for _, s in refill.bands.bands] == [True, True] and refill.close_tail
+    _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--close-tail", "--refill-after-tail"])))
+    assert [(s.close_tail, s.refill_after_tail) for _, s in refill.bands.bands] == [(True, True)] * 2
+    assert refill.for_length(100).grow == 2 and refill.for_length(100).refill_after_tail  # the band kept, the tail set
+    with pytest.raises(ValueError, match="needs close_tail"):
+        inference_settings(BANDED, selection_overrides(parser.parse_args(["--refill-after-tail"])))
     _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--grow", "4"])))
     assert refill.bands is None and refill.grow == 4 and refill.grow_shape == "attention"
 

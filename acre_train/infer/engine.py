@@ -24,7 +24,7 @@ from ..modeling.rope import Rope
 from ..modeling.scorer_spec import ScorerSettings
 from ..modeling.scoring import spans_with
 from ..modeling.scoring_pass import open_chunk_plan, question_queries, run_open_chunk, slice_plan
-from ..modeling.selection import SELECTION_KEYS
+from ..modeling.selection import SELECTION_KEYS, TAIL_KEYS
 from ..modeling.span_choice import span_tokens
 from .cache import CacheMismatchError, ContextTooLongError, build_cache, fingerprint, load_cache, max_context_tokens
 from .decode import decode
@@ -251,9 +251,9 @@ class AcreEngine:
     def settings_for(self, cache: BiLayerCache, **overrides: Any) -> RefillSettings:
         """What a question on ``cache`` is answered with: the engine's settings, the length band of the
         cache's context (where the export stores bands), then ``overrides`` (a selection key among them
-        holds at every length)."""
+        holds at every length; ``close_tail`` and ``refill_after_tail`` apply to the band's selection)."""
         settings = self.refill
-        if overrides and any(k in SELECTION_KEYS or k == "scorer" for k in overrides):
+        if any((k in SELECTION_KEYS and k not in TAIL_KEYS) or k == "scorer" for k in overrides):
             settings = settings.replace(bands=None)
         settings = settings.for_length(cache.context_tokens)
         return settings.replace(**overrides) if overrides else settings

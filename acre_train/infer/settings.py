@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from ..modeling.bilayer import CacheSettings
 from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
 from ..modeling.scorer_spec import ScorerSettings
-from ..modeling.selection import LengthBands, Selection, stored_selection
+from ..modeling.selection import TAIL_KEYS, LengthBands, Selection, stored_selection
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
 _PAPER = WindowGeometry()  # the defaults where an export stores none
@@ -130,7 +130,8 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) and the selection's
     (``modeling/selection_words.py:FLAGS``): ``selection`` (a whole :class:`Selection`, replacing the
     export's and its length bands), then ``scorer`` (a spec string or mapping), ``scoring_layers``,
-    ``neighbors``, ``grow``, ``grow_shape``, ``positions`` and ``close_tail`` over it (None = keep).
+    ``neighbors``, ``grow``, ``grow_shape`` and ``positions`` over it, and ``close_tail`` and
+    ``refill_after_tail`` over it and every length band (None = keep).
 
     >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
     >>> cache.first_chunk, cache.interval, refill.max_refill
@@ -146,18 +147,18 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     selection, bands = stored_selection(inference_section(config))
     if overrides.get("selection") is not None:  # a whole selection replaces the export's, bands and all
         selection, bands = Selection.parse(overrides["selection"]), None
-    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions", "refill_after_tail")}
+    asked = {k: overrides.get(k) for k in ("scorer", "neighbors", "grow", "grow_shape", "positions")}
     selection = selection.with_overrides(asked)
     if overrides.get("scoring_layers") is not None:
         scorer = replace_(selection.scorer, layers=tuple(int(x) for x in overrides["scoring_layers"]))
         selection = replace_(selection, scorer=scorer)
     if any(v is not None for v in asked.values()) or overrides.get("scoring_layers") is not None:
         bands = None  # a selection asked for on the command line holds at every length
-    if overrides.get("close_tail") is not None:  # a build-time choice: it holds in every band
-        close = bool(overrides["close_tail"])
-        selection = replace_(selection, close_tail=close)
+    tail = {k: bool(overrides[k]) for k in TAIL_KEYS if overrides.get(k) is not None}
+    if tail:  # how the raw tail runs (a build-time choice, and where the refill goes): it holds in every band
+        selection = replace_(selection, **tail)
         if bands is not None:
-            bands = LengthBands(tuple((up, replace_(s, close_tail=close)) for up, s in bands.bands))
+            bands = LengthBands(tuple((up, replace_(s, **tail)) for up, s in bands.bands))
     refill = RefillSettings(working_window=geometry.working_window, max_refill=geometry.max_refill, **extra)
     refill = refill.with_selection(selection)  # its eta where it names one
     if overrides.get("max_refill") is not None:  # an explicit --max-refill wins over a selection's eta

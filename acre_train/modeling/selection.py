@@ -37,6 +37,7 @@ from .selection_words import GROW_SHAPES, POSITIONS
 
 SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail", "refill_after_tail",
                   "max_refill")
+TAIL_KEYS = ("close_tail", "refill_after_tail")  # how the raw tail is run: they hold in every length band
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class Selection:
             if key not in SELECTION_KEYS:
                 raise ValueError(f"unknown selection key {key!r}{key_hint(key, SELECTION_KEYS)}")
             picked[key] = value
-        for key in ("neighbors", "close_tail", "refill_after_tail"):
+        for key in ("neighbors", *TAIL_KEYS):
             if key in picked:
                 picked[key] = _flag(picked[key])
         if picked.get("neighbors") and picked.get("grow"):
