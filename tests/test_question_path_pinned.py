@@ -43,6 +43,9 @@ SETTINGS = {
     "text-positions": ("l2:layers=1,heads=max", {"grow": 1, "grow_shape": "densest", "positions": "text"}, False),
     "closed-tail": ("l2:layers=0+1,heads=max,sinks=2,keep_sinks=1,query=question",
                     {"grow": 1, "grow_shape": "sentences"}, True),
+    "closed-tail-refill-after": ("l2:layers=0+1,heads=max,sinks=2,keep_sinks=1,query=question",
+                                 {"grow": 1, "grow_shape": "sentences", "close_tail": True, "refill_after_tail": True},
+                                 True),
 }
 
 
