@@ -65,6 +65,14 @@ def test_methods_cost_runs_small_with_each_methods_floor_beside():
     assert all(float(r[-1]) > 0 and float(r[-2]) > 0 for r in rows)  # x floor and the floor itself
 
 
+def test_cache_memory_shows_a_loaded_cache_s_raw_kv_in_file_pages_not_copied():
+    out = subprocess.run([sys.executable, "benchmarks/cache_memory.py", "--threads", "1", "--tokens", "4000"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ratio = float(out.stdout.strip().splitlines()[-1].split(":")[-1])
+    assert "after 3 questions" in out.stdout and ratio < 0.5  # the load did not copy the L2 into memory of its own
+
+
 def test_scorer_cost_times_every_scorer_and_selection_option():
     out = subprocess.run([sys.executable, "benchmarks/scorer_cost.py", "--lengths", "1024", "--repeat", "1",
                           "--threads", "1", "--layers", "2"], cwd=ROOT, capture_output=True, text=True,

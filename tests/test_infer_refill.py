@@ -347,6 +347,7 @@ def test_saved_and_reloaded_cache_gives_identical_answers(tmp_path):
     assert before.selected == after.selected
 
 
+
 def test_sampling_is_reproducible_by_seed():
     model = _model("qwen2")
     engine = _small_engine(model, temperature=1.0, top_p=0.9, max_new_tokens=6)

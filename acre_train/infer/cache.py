@@ -59,7 +59,11 @@ def save_cache(cache: BiLayerCache, path: str | Path) -> Path:
 
 
 def load_cache(path: str | Path, model: nn.Module, settings: CacheSettings) -> BiLayerCache:
-    """Load a saved cache for ``model`` and ``settings``; a cache built otherwise is an error."""
+    """Load a saved cache for ``model`` and ``settings``; a cache built otherwise is an error.
+
+    The raw (L2) keys and values stay in the file: safetensors maps it (its ``mmap`` backend) and the CPU
+    tensors are views of that mapping, so they occupy file pages the kernel may drop and read again, not
+    memory of their own (``benchmarks/cache_memory.py``)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -288,7 +292,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
         digest.update(name.encode())
-        digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy())  # no copy of the bytes
     return digest.hexdigest()
 
 
