@@ -486,6 +486,6 @@ def test_a_refill_after_the_closed_tail_is_the_tail_then_the_refilled_tokens_the
                             capture=lambda *a: None, device=torch.device("cpu"), want_hidden=True)
     last_raw = int(np.nonzero(~plan.is_l1)[0][-1])
     torch.testing.assert_close(got.first_logits, model.lm_head(hidden[0, last_raw]).float(), atol=ATOL, rtol=0)
-    assert got.selected == chosen
+    assert got.selected == chosen and got.cache_length == base.length + len(idx)  # L1, pending and refilled tokens
     with pytest.raises(ValueError, match="needs close_tail"):
         RefillSettings(refill_after_tail=True)

@@ -232,9 +232,8 @@ class AcreEngine:
         if closed:  # the closed tail goes in as KV; only the question runs
             self._extend_rotated(kv, cache.tail_keys, cache.tail_values)
             if after and extra:
-                index = moved
-                self._extend_rotated(kv, cache.l2_keys.index_select(2, index).to(kv.keys.device, kv.keys.dtype),
-                                     cache.l2_values.index_select(2, index).to(kv.keys.device, kv.keys.dtype))
+                self._extend_rotated(kv, cache.l2_keys.index_select(2, moved).to(kv.keys.device, kv.keys.dtype),
+                                     cache.l2_values.index_select(2, moved).to(kv.keys.device, kv.keys.dtype))
             plan = self._question_plan(cache, q_ids)
         first_logits = self._prefill(kv, plan)
         timings["prefill_s"] = time.perf_counter() - tic
@@ -245,7 +244,7 @@ class AcreEngine:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return Answer(token_ids=tokens, text=text, first_logits=first_logits, scores=scores,
                       selected=torch.nonzero(spans_with(refill_tokens, cache.span_bounds)).flatten().tolist(),
-                      refilled=refill_tokens, k=k, num_l1=m, cache_length=refilled.length, open_chunk=len(plan),
+                      refilled=refill_tokens, k=k, num_l1=m, cache_length=refilled.length + extra, open_chunk=len(plan),
                       timings=timings)
 
     def settings_for(self, cache: BiLayerCache, **overrides: Any) -> RefillSettings:
