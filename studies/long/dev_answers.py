@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     save_cache(cache, saved)
             for e in group:
                 for s in selections:
-                    a = engine.answer(cache, e.question, **_overrides(s))
+                    a = engine.answer(cache, e.question, **s.to_dict())  # the whole selection, every length
                     hit = substring_match(a.text, e.answers)
                     t = tally[s.describe()]
                     t[0] += hit
@@ -73,15 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, (hits, n) in tally.items():
         print(f"{100 * hits / n:5.1f} % answer contained ({n})  {name}")
     return 0
-
-
-def _overrides(selection) -> dict:
-    out = {"scorer": selection.scorer, "neighbors": selection.neighbors, "grow": selection.grow,
-           "grow_shape": selection.grow_shape, "positions": selection.positions, "close_tail": selection.close_tail,
-           "refill_after_tail": selection.refill_after_tail}
-    if selection.max_refill is not None:
-        out["max_refill"] = selection.max_refill
-    return out
 
 
 if __name__ == "__main__":
