@@ -362,6 +362,31 @@ def test_calibrate_at_several_lengths_stores_a_band_per_length_that_the_engine_p
     assert picked.with_selection(firsts[1]) == picked and picked.max_refill == 64
 
 
+def test_cost_slack_stores_the_shallowest_scorer_within_the_slack_and_evidence_decides_without_it(tmp_path):
+    from acre_train.cli import main
+    from acre_train.modeling.scorer_spec import ScorerSettings
+
+    export, tok = _tiny_export(tmp_path)
+    dev = tmp_path / "dev.jsonl"
+    save_jsonl(build_task("niah_multikey", tok, 400, 4, seed=5), dev)
+    args = ["calibrate", str(export), "--data", str(dev), "--scorers", "l2", "--layers", "0,1", "--heads", "max",
+            "--sinks", "0", "--neighbors", "0", "--grow", "0,1", "--grow-shapes", "sentences", "--queries", "all",
+            "--no-progress"]
+    assert main(args) == 0
+    plain = json.loads((export / "calibration.json").read_text())["rows"]
+    assert {r["score_layers"] for r in plain} == {1, 2}  # layer 0 runs one layer, layer 1 two
+    assert main([*args, "--cost-slack", "100"]) == 0  # every setting is within 100 points: cost decides
+    table = json.loads((export / "calibration.json").read_text())
+    assert table["cost_slack"] == 100.0
+    best = table["rows"][0]
+    assert best["score_layers"] == 1 and [r["setting"] for r in table["rows"] if r["score_layers"] == 1] == \
+        [r["setting"] for r in plain if r["score_layers"] == 1]  # ties keep the evidence order
+    stored = json.loads((export / "config.json").read_text())["acre"]["inference"]
+    assert ScorerSettings.parse(stored["scorer"]).layers == (0,)
+    assert "layers scored" in (export / "calibration.md").read_text()
+    assert main([*args, "--cost-slack", "-1"]) == 2
+
+
 def test_the_acre_row_answers_with_the_stored_band_of_its_context_and_its_own_options_hold_everywhere(tmp_path):
     from acre_train.eval.harness import EvalConfig, evaluate
     from acre_train.eval.methods import parse_methods

@@ -14,7 +14,10 @@ or centred on them) then ranks and selects from those queries, at the export's g
 The best setting (most ``covered``, then ``coverage``, then the lower median rank, then the simpler
 setting) is written into the export's ``config.json`` (``acre.inference.scorer`` / ``neighbors`` /
 ``grow`` / ``grow_shape``), which ``chat``, ``generate`` and ``eval`` then use; the whole table goes beside it
-(``calibration.json``, ``calibration.md``). Inference only: nothing is trained. Calibrate on a dev
+(``calibration.json``, ``calibration.md``). With ``--cost-slack P`` the settings within ``P`` points of
+the best's ``covered`` come first, cheapest scoring pass first (``score_layers``: the layers a
+question runs before its refill, the last scoring layer + 1), so a shallow scorer that loses one dev
+question of thirty-two is stored over a deep one. Inference only: nothing is trained. Calibrate on a dev
 split (training articles, needles at other seeds), never on the questions you report.
 """
 
@@ -161,11 +164,31 @@ def calibrate(model, tokenizer, examples, candidates: Sequence[Candidate], *, ov
                      "covered": 100.0 * sum(t["refill_coverage"] >= 1.0 for t in tally) / len(tally),
                      "coverage": 100.0 * sum(t["refill_coverage"] for t in tally) / len(tally),
                      "recall": 100.0 * sum(t["refill_recall"] for t in tally) / len(tally),
-                     "rank": ranks[len(ranks) // 2] if ranks else None, "_simple": cand.simplicity()})
+                     "rank": ranks[len(ranks) // 2] if ranks else None,
+                     "score_layers": max(cand.scorer.resolved_layers(n_layers)) + 1, "_simple": cand.simplicity()})
     rows.sort(key=lambda r: (-r["covered"], -r["coverage"], r["rank"] if r["rank"] is not None else 1e9, r["_simple"]))
     for r in rows:
         del r["_simple"]
     return rows
+
+
+def prefer_cheaper(rows: list[dict[str, Any]], slack: float) -> list[dict[str, Any]]:
+    """``rows`` (best first) with those within ``slack`` points of the best ``covered`` moved to the
+    front, the fewest ``score_layers`` first (ties keep their order); the rest follow unchanged.
+
+    >>> rows = [{"covered": 59.4, "score_layers": 10}, {"covered": 56.2, "score_layers": 4},
+    ...         {"covered": 50.0, "score_layers": 1}]
+    >>> [r["score_layers"] for r in prefer_cheaper(rows, 3.2)]
+    [4, 10, 1]
+    >>> prefer_cheaper(rows, 0.0) == rows
+    True
+    """
+    if slack < 0:
+        raise ValueError(f"--cost-slack takes points of whole evidence >= 0, got {slack}")
+    if slack == 0 or not rows:
+        return rows
+    near = [r for r in rows if r["covered"] >= rows[0]["covered"] - slack]
+    return sorted(near, key=lambda r: r["score_layers"]) + rows[len(near):]
 
 
 def markdown(rows: list[dict[str, Any]], top: int = 15) -> str:
@@ -174,11 +197,11 @@ def markdown(rows: list[dict[str, Any]], top: int = 15) -> str:
     for r in rows:
         best_of_kind.setdefault(r["scorer"]["kind"], r)
     shown = rows[:top] + [r for r in best_of_kind.values() if r not in rows[:top]]
-    out = ["| # | setting | whole evidence % | coverage % | overlap recall % | median rank |",
-           "|---:|---|---:|---:|---:|---:|"]
+    out = ["| # | setting | whole evidence % | coverage % | overlap recall % | median rank | layers scored |",
+           "|---:|---|---:|---:|---:|---:|---:|"]
     for r in shown:
         out.append(f"| {rows.index(r) + 1} | `{r['setting']}` | {r['covered']:.1f} | {r['coverage']:.1f} | "
-                   f"{r['recall']:.1f} | {r['rank'] if r['rank'] is not None else '–'} |")
+                   f"{r['recall']:.1f} | {r['rank'] if r['rank'] is not None else '–'} | {r.get('score_layers', '–')} |")
     return "\n".join(out) + "\n"
 
 
@@ -275,6 +298,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-refill", type=int, nargs="+", default=None, metavar="ETA",
                         help="the refill budget in tokens (eta) to calibrate at: one for every length, or one per "
                              "--context-tokens; stored with each band's choice (default: the export's eta)")
+    parser.add_argument("--cost-slack", type=float, default=0.0, metavar="POINTS",
+                        help="among settings within POINTS of the best's whole-evidence share, store the one whose "
+                             "scoring pass runs the fewest layers (a question's cost before its refill; default: 0, "
+                             "evidence decides)")
     parser.add_argument("--dry-run", action="store_true", help="print the table, change nothing")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -359,7 +386,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"calibrating {len(candidates)} settings on {len(examples)} dev questions ({args.data}, {length:,} tokens)")
         tic = time.perf_counter()
         overrides = {"max_refill": eta_of[length]} if eta_of[length] is not None else {}
-        rows = calibrate(model, tokenizer, examples, candidates, overrides=overrides, progress=not args.no_progress)
+        rows = prefer_cheaper(calibrate(model, tokenizer, examples, candidates, overrides=overrides,
+                                        progress=not args.no_progress), args.cost_slack)
         for r in rows:
             r["max_refill"] = eta_of[length]
         seconds += time.perf_counter() - tic
@@ -368,7 +396,7 @@ def _run(args: argparse.Namespace) -> int:
               f"(whole evidence {rows[0]['covered']:.1f} %)")
         per_length.append((length, rows))
     meta = {"data": args.data, "squad": args.squad, "context_tokens": sorted(set(args.context_tokens)),
-            "seed": args.seed, "seconds": round(seconds, 1), "before": refill.describe_selection()}
+            "seed": args.seed, "cost_slack": args.cost_slack, "seconds": round(seconds, 1), "before": refill.describe_selection()}
     print(f"calibrated in {seconds:.0f}s (was {meta['before']})")
     if args.dry_run:
         print("dry run: the export is unchanged")
@@ -377,6 +405,5 @@ def _run(args: argparse.Namespace) -> int:
     shown = chosen.describe() if isinstance(chosen, Selection) else " | ".join(chosen.describe())
     print(f"wrote {shown} into {export / 'config.json'}; table: {export / 'calibration.md'}")
     return 0
-    write_choice(export, rows, meta)
     print(f"wrote the chosen scorer into {export / 'config.json'}; table: {export / 'calibration.md'}")
     return 0
