@@ -82,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refill-after-tail", action="store_true",
                    help="with --close-tail: the closed arm puts the refilled tokens after the closed tail, next to the "
                         "question (selection word refill_after_tail)")
+    p.add_argument("--reuse-score-pass", action="store_true",
+                   help="with --close-tail: the closed arm takes the question's layers up to the last scoring layer "
+                        "from its scoring pass (selection word reuse_score_pass)")
+    p.add_argument("--scoring-layers", type=int, nargs="+", default=None,
+                   help="the scorer's layers instead of the stored (or default) ones, e.g. 0 for the random model with "
+                        "--reuse-score-pass (which needs a scoring layer below the last)")
     p.add_argument("--full-cache", choices=["growing", "dynamic"], default="growing",
                    help="full attention's cache: growing (in place, its floor) or transformers' DynamicCache "
                         "(grows by concatenation: copies the whole cache every decoding step)")
@@ -126,7 +132,7 @@ def _setup(args):
 
         model, tokenizer, data = load_export(_export_dir(args.export), device=args.device, dtype=torch.float32)
         overrides = dict(PAPER) if args.geometry == "paper" else {}
-        cache, refill = inference_settings(data, overrides)
+        cache, refill = inference_settings(data, {**overrides, "scoring_layers": args.scoring_layers})
         return model, tokenizer, cache, refill.replace(**decoding)
     if args.model:  # a real base (folder or base:NAME), fp32, with untrained L1 projections
         from transformers import AutoModelForCausalLM
@@ -144,6 +150,8 @@ def _setup(args):
                            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
         model = attach_acre(model).to(args.device).eval()  # the same weights serve both methods
     refill = RefillSettings(working_window=args.working_window, max_refill=args.max_refill, **decoding)
+    if args.scoring_layers:
+        refill = refill.replace(scorer=f"l1:layers={'+'.join(map(str, args.scoring_layers))}")
     return model, None, CacheSettings(args.first_chunk, args.stride, args.interval), refill
 
 
@@ -210,7 +218,8 @@ def run_acre(args, size: int) -> dict:
             builds.append(time.perf_counter() - tic)
             engine.answer(cache, questions[1])  # untimed: first-call costs (allocator, code paths, rotated keys)
             tails = (False, True) if args.close_tail else (False,)
-            answered = {closed: _ask_acre(engine, cache, questions[2:], closed, args.refill_after_tail and closed)
+            answered = {closed: _ask_acre(engine, cache, questions[2:], closed, args.refill_after_tail and closed,
+                                          args.reuse_score_pass and closed)
                         for closed in tails}
     rates = machine_rates(args.device)
     chunks: list[int] = []
@@ -234,6 +243,7 @@ def run_acre(args, size: int) -> dict:
         out["closed" if closed else "open"] = {
             **shared, "question_s": statistics.median(totals), "tail_plan": tail,
             "refill_after_tail": bool(closed and args.refill_after_tail),
+            "reuse_score_pass": bool(closed and args.reuse_score_pass),
             "ttft_s": statistics.median(x.timings["score_s"] + x.timings["refill_s"] + x.timings["prefill_s"] for x in answers),
             "decode_token_s": statistics.median(x.timings["decode_s"] / max(1, len(x.token_ids) - 1) for x in answers),
             "working_cache_mib": _kv_mib(model, a.cache_length), "k": a.k, "cache_length": a.cache_length,
@@ -241,14 +251,15 @@ def run_acre(args, size: int) -> dict:
             "open_chunk": a.open_chunk,
             **{key: statistics.median(x.timings.get(key, 0.0) for x in answers)
                for key in ("score_s", "score_pass_s", "select_s", "refill_s", "prefill_s", "decode_s")},
-            **acre_floor(model, engine, cache, a, args.new_tokens, rates, closed)}
+            **acre_floor(model, engine, cache, a, args.new_tokens, rates, closed, closed and args.reuse_score_pass)}
     return out
 
 
-def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool, after: bool = False):
+def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool, after: bool = False, reuse: bool = False):
     """``(answers, seconds each)`` of ``questions`` on ``cache``, the raw tail closed or not (``after``: the
-    refill placed after the closed tail); the length band's selection otherwise."""
-    tail = {"close_tail": close_tail, "refill_after_tail": after}
+    refill placed after the closed tail; ``reuse``: the scoring pass's layers reused); the length band's
+    selection otherwise."""
+    tail = {"close_tail": close_tail, "refill_after_tail": after, "reuse_score_pass": reuse}
     answers, totals = [], []
     for q in questions:
         tic = time.perf_counter()
@@ -257,16 +268,16 @@ def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool, after
     return answers, totals
 
 
-def acre_floor(model, engine, cache, answer, new_tokens: int, rates: dict[str, float], close_tail: bool
-               ) -> dict[str, float]:
+def acre_floor(model, engine, cache, answer, new_tokens: int, rates: dict[str, float], close_tail: bool,
+               reuse: bool = False) -> dict[str, float]:
     """ACRE's question floor: the scoring pass (the question through the scoring layers, over the L1 cache
     and the tail's kept KV), the raw-key scan (``l2``: the question's logits over every raw key of the
     scoring layers), the prefill (open chunk, or the question alone with a closed tail, over the refilled
-    cache), then decoding over both."""
+    cache; ``reuse``: only the layers above the scoring pass's), then decoding over both."""
     tail = int(cache.tail_keys.shape[2]) if cache.tail_keys is not None else 0
     n, cache_len = answer.open_chunk, answer.cache_length
     question = n - tail if not close_tail else n  # rows the scoring pass runs
-    scorer = engine.refill.scorer
+    scorer = engine.settings_for(cache).scorer  # the length band's
     layers = scorer.resolved_layers(model.config.num_hidden_layers)
     depth = (max(layers) + 1) / model.config.num_hidden_layers  # the scoring pass stops at its last layer
     heads, dim = model.config.num_attention_heads, model.model.layers[0].self_attn.head_dim
@@ -276,16 +287,19 @@ def acre_floor(model, engine, cache, answer, new_tokens: int, rates: dict[str, f
     score = question_floor(model, rows=question, keys=keys_q, new_tokens=1, rates=rates)["floor_prefill_s"]
     prefill_keys = cache_len + (tail if close_tail else 0) + n / 2
     rest = question_floor(model, rows=n, keys=prefill_keys, new_tokens=new_tokens, rates=rates)
+    above = 1 - depth if reuse else 1.0  # the share of the layers the prefill runs
+    prefill = above * rest["floor_prefill_s"]
+    shape_prefill = above * shape_floor(model, rows=n, keys=prefill_keys, rates=rates)
     steps = max(1, len(answer.token_ids) - 1)
     shape_score = depth * shape_floor(model, rows=question, keys=keys_q, rates=rates) + scan_s
-    return {"floor_score_s": depth * score + scan_s, "floor_prefill_s": rest["floor_prefill_s"],
+    return {"floor_score_s": depth * score + scan_s, "floor_prefill_s": prefill,
             "floor_decode_s": rest["floor_decode_s"], "floor_decode_token_s": rest["floor_decode_s"] / max(1, new_tokens - 1),
-            "floor_question_s": depth * score + scan_s + rest["floor_question_s"],
-            "floor_ttft_s": depth * score + scan_s + rest["floor_prefill_s"],
+            "floor_question_s": depth * score + scan_s + prefill + rest["floor_decode_s"],
+            "floor_ttft_s": depth * score + scan_s + prefill,
             "shape_floor_score_s": shape_score,
-            "shape_floor_prefill_s": shape_floor(model, rows=n, keys=prefill_keys, rates=rates),
+            "shape_floor_prefill_s": shape_prefill,
             "shape_floor_decode_s": steps * shape_floor(model, rows=1, keys=cache_len + n, rates=rates),
-            "shape_floor_ttft_s": shape_score + shape_floor(model, rows=n, keys=prefill_keys, rates=rates)}
+            "shape_floor_ttft_s": shape_score + shape_prefill}
 
 
 def full_floor(model, context: int, question: int, new_tokens: int, rates: dict[str, float]) -> dict[str, float]:
@@ -473,7 +487,8 @@ def _print_row(size: int, acre: dict, full: dict, closed: dict | None = None) ->
         return f"{full[key] / acre[key]:5.2f}x"
 
     print(f"context {size:>6} tokens")
-    shut = "ACRE closed tail" + (" (refill after it)" if closed and closed.get("refill_after_tail") else "")
+    shut = "ACRE closed tail" + (" (refill after it)" if closed and closed.get("refill_after_tail") else "") + \
+        (" (scoring pass reused)" if closed and closed.get("reuse_score_pass") else "")
     for name, r in (("ACRE", acre), *(((shut, closed),) if closed else ()), ("full", full)):
         if "error" in r:
             print(f"  {name:<5} {r['error']}")

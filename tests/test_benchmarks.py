@@ -40,13 +40,14 @@ def test_gpu_check_runs_tiny_on_cpu(tmp_path):
     assert {r["arm"] for r in data["train"]} == {"acre", "full"} and len(data["inference"]) == 2
 
 
-def test_inference_cost_runs_small_with_the_closed_tail_and_the_refill_after_it_beside():
+def test_inference_cost_runs_small_with_the_closed_tail_the_refill_after_it_and_the_reused_pass_beside():
     out = subprocess.run([sys.executable, "benchmarks/inference_cost.py", "--sizes", "1500", "--repeats", "1",
                           "--questions", "1", "--close-tail", "--first-chunk", "512", "--stride", "256",
-                          "--max-refill", "64", "--compare-fold", "--refill-after-tail"], cwd=ROOT, capture_output=True, text=True,
+                          "--max-refill", "64", "--compare-fold", "--refill-after-tail", "--reuse-score-pass",
+                          "--scoring-layers", "0"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "ACRE closed tail (refill after it)" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout
+    assert "ACRE closed tail (refill after it) (scoring pass reused)" in out.stdout and "closed tail: per question" in out.stdout and "error" not in out.stdout
     assert "full's floor (growing cache" in out.stdout and "ACRE's floor: question" in out.stdout
     assert "ACRE build" in out.stdout and "full build" in out.stdout and "against its floor" in out.stdout
     assert "ACRE against the floor at the measured rate of its own matrix shapes" in out.stdout

@@ -451,6 +451,110 @@ def test_a_closed_tail_scores_alike_and_answers_alike_when_nothing_is_refilled(s
     assert closed_engine.answer(loaded, q).token_ids == closed_engine.answer(closed, q).token_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_reusing_the_scoring_pass_starts_the_prefill_above_it_over_the_refilled_cache(arch):
+    """reuse_score_pass: the question's layers up to the last scoring layer are its scoring pass's (over
+    the L1 memory and the closed tail, without the refill), the layers above run over the refilled cache.
+    Checked against a plain whole-model run over the KV written out by hand whose entry to the next layer
+    is replaced by the scoring pass's hidden states (a pre-hook), and its KV against the pass's keys
+    rotated at the question's final positions (RoPE from its formula)."""
+    from acre_train.modeling.scoring_pass import open_chunk_plan, run_open_chunk, slice_plan
+
+    model = _model(arch)
+    last = 0  # the scoring layer: layer 0 is reused, layers 1.. run again
+    settings = CacheSettings(first_chunk=16, stride=12, interval=4)
+    ctx, q = _ids(47, 31), _ids(6, 32)
+    refill = RefillSettings(working_window=200, max_refill=8, scorer=f"l2:layers={last},heads=max", grow=1,
+                            max_new_tokens=3, close_tail=True, refill_after_tail=True, reuse_score_pass=True)
+    engine = AcreEngine(model, cache_settings=settings, refill=refill)
+    cache = engine.build(ctx)
+    got = engine.answer(cache, q)
+    idx = torch.nonzero(got.refilled).flatten()
+    assert len(idx) > 0
+
+    # the scoring pass, written out: the question over the L1 memory and the closed tail
+    m, tail = cache.num_l1, cache.tail_keys.shape[2]
+    theta = _theta(model)
+    plan = slice_plan(open_chunk_plan(cache, q), tail)
+    pass_kv = {x: (torch.cat([cache.l1_keys_rot[x], _rope(cache.tail_keys[x], range(m, m + tail), theta)], 1),
+                   torch.cat([cache.l1_values[x], cache.tail_values[x]], 1)) for x in range(cache.tail_keys.shape[0])}
+    seen: dict = {}
+    entry = model.model.layers[last].register_forward_hook(lambda _m, _a, out: seen.setdefault("hidden", out))
+    pass_keys = {}
+    run_open_chunk(model, plan, offset=m + tail, prefix=lambda x: (pass_kv[x][0][None], pass_kv[x][1][None]),
+                   capture=lambda x, _q, k, v: pass_keys.setdefault(x, (k[0], v[0])), device=torch.device("cpu"))
+    entry.remove()
+
+    # the final cache, written out: L1 memory, closed tail, refilled tokens, then the question above layer `last`
+    base = assemble(model, cache, torch.zeros(int(cache.span_bounds[-1]), dtype=torch.bool))
+    start = base.length
+    keys = torch.cat([base.keys, _rope(cache.tail_keys, range(start, start + tail), theta),
+                      _rope(cache.l2_keys[:, :, idx], range(start + tail, start + tail + len(idx)), theta)], dim=2)
+    values = torch.cat([base.values, cache.tail_values, cache.l2_values[:, :, idx]], dim=2)
+    swap = model.model.layers[last + 1].register_forward_pre_hook(lambda _m, args: (seen["hidden"], *args[1:]))
+    final_keys = {}
+    try:
+        hidden = run_open_chunk(model, plan, offset=keys.shape[2], prefix=lambda x: (keys[x][None], values[x][None]),
+                                capture=lambda x, _q, k, v: final_keys.setdefault(x, k[0]), device=torch.device("cpu"),
+                                want_hidden=True)
+    finally:
+        swap.remove()
+    last_raw = int(np.nonzero(~plan.is_l1)[0][-1])
+    torch.testing.assert_close(got.first_logits, model.lm_head(hidden[0, last_raw]).float(), atol=ATOL, rtol=0)
+
+    # the KV the answer decodes over: the pass's keys for the reused layer, the new run's above, all rotated
+    # at the question's positions after the refilled tokens
+    from acre_train.infer.engine import _KV
+
+    kv = _KV(keys, values, capacity=keys.shape[2] + len(plan))
+    queries = engine.question_queries(cache, open_chunk_plan(cache, q), num_tail=len(cache.tail_ids), layers=[last],
+                                      keep_states=True)
+    engine._run_and_extend(kv, plan, queries.states)
+    where = torch.as_tensor(plan.positions) + keys.shape[2]
+    written = kv.filled(last)[0][:, keys.shape[2]:]
+    torch.testing.assert_close(written, _rope(pass_keys[last][0], where, theta), atol=ATOL, rtol=0)
+    torch.testing.assert_close(kv.filled(last + 1)[0][:, keys.shape[2]:], _rope(final_keys[last + 1], where, theta),
+                               atol=ATOL, rtol=0)
+
+
+def test_reusing_the_scoring_pass_changes_nothing_when_nothing_is_refilled(monkeypatch):
+    """With nothing refilled the scoring pass's layout is the final one, so reusing it is exact: the same
+    first logits and tokens as running every layer again."""
+    import acre_train.infer.engine as engine_module
+
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=12, interval=4)
+    refill = RefillSettings(working_window=200, max_refill=8, scorer="l2:layers=0,heads=max", grow=1,
+                            max_new_tokens=6, close_tail=True, refill_after_tail=True)
+    engine = AcreEngine(model, cache_settings=settings, refill=refill)
+    cache = engine.build(_ids(47, 41))
+    real = engine_module.choose_refill
+
+    def nothing(*args, **kwargs):
+        scores, tokens = real(*args, **kwargs)
+        return scores, torch.zeros_like(tokens)
+
+    monkeypatch.setattr(engine_module, "choose_refill", nothing)
+    q = _ids(6, 42)
+    plain, reused = engine.answer(cache, q), engine.answer(cache, q, reuse_score_pass=True)
+    torch.testing.assert_close(reused.first_logits, plain.first_logits, atol=ATOL, rtol=0)
+    assert reused.token_ids == plain.token_ids and reused.cache_length == plain.cache_length
+    assert reused.timings["prefill_s"] > 0
+
+
+def test_reusing_the_scoring_pass_needs_a_closed_tail_and_a_scoring_layer_below_the_last():
+    model = _model("qwen2")
+    with pytest.raises(ValueError, match="needs close_tail"):
+        RefillSettings(reuse_score_pass=True)
+    engine = AcreEngine(model, cache_settings=CacheSettings(first_chunk=16, stride=12, interval=4),
+                        refill=RefillSettings(working_window=200, max_refill=8, scorer="l2:layers=-1,heads=max",
+                                              close_tail=True, reuse_score_pass=True, max_new_tokens=2))
+    cache = engine.build(_ids(47, 51))
+    with pytest.raises(ValueError, match="model's last layer"):
+        engine.answer(cache, _ids(6, 52))
+    assert engine.answer(cache, _ids(6, 52), scorer="l2:layers=0,heads=max").token_ids  # a lower layer: it runs
+
+
 def test_a_refill_after_the_closed_tail_is_the_tail_then_the_refilled_tokens_then_the_question():
     """refill_after_tail keeps the L1 memory (and the pending raw tokens) at the front, then the closed
     tail, then the refilled raw tokens in text order, each rotated at the next compact positions, then the

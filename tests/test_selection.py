@@ -21,7 +21,8 @@ SETTINGS = CacheSettings(first_chunk=16, stride=8, interval=4)
 @pytest.mark.parametrize("spec", ["l1:layers=-1", "l2:layers=3,heads=max +neighbors",
                                   "l2:layers=0+2,heads=max,sinks=4,keep_sinks=first +grow=2,densest @text eta=48",
                                   "bounds:layers=1,sinks=2,keep_sinks=1 close_tail",
-                                  "l2:layers=1,heads=max +grow=2,sentences eta=64 close_tail refill_after_tail"])
+                                  "l2:layers=1,heads=max +grow=2,sentences eta=64 close_tail refill_after_tail",
+                                  "l2:layers=1,heads=max +grow=2,sentences close_tail refill_after_tail reuse_score_pass"])
 def test_a_selection_reads_back_what_it_writes_in_both_spellings(spec):
     s = Selection.parse(spec)
     assert s.describe() == spec
@@ -34,7 +35,8 @@ def test_a_selection_reads_back_what_it_writes_in_both_spellings(spec):
                                           ("l2:layers=1 @gapped", "positions"),
                                           ("l2:layers=1 grow=2", "selection word 'grow=2'"),
                                           ("l2:layers=1 refill_after_tail", "needs close_tail"),
-                                          ("l2:layers=1 @text close_tail refill_after_tail", "needs @compact")])
+                                          ("l2:layers=1 @text close_tail refill_after_tail", "needs @compact"),
+                                          ("l2:layers=1 reuse_score_pass", "needs close_tail")])
 def test_a_selection_that_cannot_be_made_names_why(spec, message):
     with pytest.raises(ValueError, match=message):
         Selection.parse(spec)
@@ -137,6 +139,8 @@ def test_the_selection_flags_are_the_words_table_and_reach_the_engine_settings()
     _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--close-tail", "--refill-after-tail"])))
     assert [(s.close_tail, s.refill_after_tail) for _, s in refill.bands.bands] == [(True, True)] * 2
     assert refill.for_length(100).grow == 2 and refill.for_length(100).refill_after_tail  # the band kept, the tail set
+    _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--close-tail", "--reuse-score-pass"])))
+    assert [s.reuse_score_pass for _, s in refill.bands.bands] == [True, True]
     with pytest.raises(ValueError, match="needs close_tail"):
         inference_settings(BANDED, selection_overrides(parser.parse_args(["--refill-after-tail"])))
     _, refill = inference_settings(BANDED, selection_overrides(parser.parse_args(["--grow", "4"])))

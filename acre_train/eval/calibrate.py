@@ -37,7 +37,7 @@ from ..infer.placement import Placement, add_placement_arguments, requested_devi
 from ..modeling.scorer_spec import ScorerSettings
 from ..modeling.selection_words import GROW_SHAPES, KEEP_SINKS, QUERIES
 from ..infer.settings import selection_suffix
-from ..modeling.selection import LengthBands, Selection
+from ..modeling.selection import PATH_KEYS, LengthBands, Selection
 
 
 @dataclass(frozen=True)
@@ -218,14 +218,14 @@ def band_limits(lengths: Sequence[int]) -> list[int | None]:
 def write_choice(export: Path, per_length: Sequence[tuple[int, list[dict[str, Any]]]], meta: dict[str, Any]) -> Selection | LengthBands:
     """Store the best setting (one calibrated length) or one per length band (several) in
     ``export/config.json``, and the tables beside it (each file atomically). The export's stored
-    ``positions``, ``close_tail`` and ``refill_after_tail`` are kept."""
+    ``positions`` and question path (``close_tail``, ``refill_after_tail``, ``reuse_score_pass``) are kept."""
     from ..files import write_text_atomic
 
     config_path = export / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     inference = config.setdefault("acre", {}).setdefault("inference", {})
     positions = inference.get("positions", "compact")
-    tail = {key: bool(inference.get(key, False)) for key in ("close_tail", "refill_after_tail")}
+    tail = {key: bool(inference.get(key, False)) for key in PATH_KEYS}
     per_length = sorted(per_length, key=lambda item: item[0])
     chosen = [Selection(**{**_best_selection(rows, positions).__dict__, **tail}) for _, rows in per_length]
     inference.update(chosen[0].to_dict())

@@ -23,8 +23,9 @@ from ..modeling.ranking import QuestionQueries, choose_refill, rank_spans
 from ..modeling.rope import Rope
 from ..modeling.scorer_spec import ScorerSettings
 from ..modeling.scoring import spans_with
-from ..modeling.scoring_pass import open_chunk_plan, question_queries, run_open_chunk, slice_plan
-from ..modeling.selection import SELECTION_KEYS, TAIL_KEYS
+from ..modeling.scoring_pass import (PassStates, open_chunk_plan, question_queries, resume_open_chunk,
+                                      run_open_chunk, slice_plan)
+from ..modeling.selection import PATH_KEYS, SELECTION_KEYS
 from ..modeling.span_choice import span_tokens
 from .cache import CacheMismatchError, ContextTooLongError, build_cache, fingerprint, load_cache, max_context_tokens
 from .decode import decode
@@ -184,9 +185,18 @@ class AcreEngine:
         timings: dict[str, float] = {}
         plan, k = self.open_chunk(cache, q_ids, settings)
         m = cache.num_l1
+        close_tail = self.close_tail or settings.close_tail
+        if close_tail and cache.tail_ids and cache.tail_keys is None:  # a cache saved without it
+            self._close_tail(cache)
+        closed = close_tail and cache.tail_keys is not None
+        reuse = closed and settings.reuse_score_pass
+        if reuse and max(settings.scorer.resolved_layers(self.model.config.num_hidden_layers)) + 1 >= \
+                self.model.config.num_hidden_layers:
+            raise ValueError(f"reuse_score_pass starts the prefill above the last scoring layer; the scorer "
+                             f"{settings.scorer.describe()} scores at the model's last layer (choose a lower one)")
 
         tic = time.perf_counter()
-        scores = None
+        scores = queries = None
         if isinstance(selected, torch.Tensor) and selected.dtype == torch.bool:
             if len(selected) != int(cache.span_bounds[-1]):
                 raise ValueError(f"a token selection covers the {int(cache.span_bounds[-1])} finished raw tokens, "
@@ -200,7 +210,7 @@ class AcreEngine:
         elif 0 < k < m:
             scorer = settings.scorer
             layers = scorer.resolved_layers(self.model.config.num_hidden_layers)
-            queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers)
+            queries = self.question_queries(cache, plan, num_tail=len(cache.tail_ids), layers=layers, keep_states=reuse)
             timings["score_pass_s"] = time.perf_counter() - tic  # the question through the scoring layers
             scores, refill_tokens = choose_refill(self.model, cache, queries, scorer, k, neighbors=settings.neighbors,
                                            grow=settings.grow, grow_shape=settings.grow_shape)
@@ -210,10 +220,6 @@ class AcreEngine:
         if "score_pass_s" in timings:  # the rest: ranking the spans and choosing the tokens to refill
             timings["select_s"] = timings["score_s"] - timings["score_pass_s"]
 
-        close_tail = self.close_tail or settings.close_tail
-        if close_tail and cache.tail_ids and cache.tail_keys is None:  # a cache saved without it
-            self._close_tail(cache)
-        closed = close_tail and cache.tail_keys is not None
         # refill_after_tail: the refilled tokens go after the closed tail, next to the question, not before
         # their L1 entries (the L1 memory and the pending raw tokens stay where they are)
         after = closed and settings.refill_after_tail
@@ -235,7 +241,7 @@ class AcreEngine:
                 self._extend_rotated(kv, cache.l2_keys.index_select(2, moved).to(kv.keys.device, kv.keys.dtype),
                                      cache.l2_values.index_select(2, moved).to(kv.keys.device, kv.keys.dtype))
             plan = self._question_plan(cache, q_ids)
-        first_logits = self._prefill(kv, plan)
+        first_logits = self._prefill(kv, plan, queries.states if queries is not None else None)
         timings["prefill_s"] = time.perf_counter() - tic
 
         tic = time.perf_counter()
@@ -250,9 +256,9 @@ class AcreEngine:
     def settings_for(self, cache: BiLayerCache, **overrides: Any) -> RefillSettings:
         """What a question on ``cache`` is answered with: the engine's settings, the length band of the
         cache's context (where the export stores bands), then ``overrides`` (a selection key among them
-        holds at every length; ``close_tail`` and ``refill_after_tail`` apply to the band's selection)."""
+        holds at every length; the question-path keys, ``close_tail`` and the like, apply to the band's selection)."""
         settings = self.refill
-        if any((k in SELECTION_KEYS and k not in TAIL_KEYS) or k == "scorer" for k in overrides):
+        if any((k in SELECTION_KEYS and k not in PATH_KEYS) or k == "scorer" for k in overrides):
             settings = settings.replace(bands=None)
         settings = settings.for_length(cache.context_tokens)
         return settings.replace(**overrides) if overrides else settings
@@ -272,10 +278,11 @@ class AcreEngine:
         queries = self.question_queries(cache, plan, num_tail=num_tail, layers=scorer.resolved_layers(n_layers))
         return rank_spans(self.model, cache, queries, scorer)
 
-    def question_queries(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int]) -> QuestionQueries:
+    def question_queries(self, cache: BiLayerCache, plan, *, num_tail: int, layers: Sequence[int],
+                         keep_states: bool = False) -> QuestionQueries:
         """The question's query states at ``layers`` (``modeling/scoring_pass.py:question_queries``)."""
         return question_queries(self.model, cache, plan, num_tail=num_tail, layers=layers, device=self.device,
-                                backend=self.backend, find_own=self.prompt.question_words)
+                                backend=self.backend, find_own=self.prompt.question_words, keep_states=keep_states)
 
     # --------------------------------------------------------------------------------- internals
 
@@ -308,22 +315,31 @@ class AcreEngine:
         return run_open_chunk(self.model, plan, offset=offset, prefix=prefix, capture=capture, device=self.device,
                               backend=self.backend, want_hidden=want_hidden)
 
-    def _run_and_extend(self, kv: _KV, plan) -> torch.Tensor:
-        """Run ``plan`` after ``kv``, append its KV (rotated at its positions), return the hidden states."""
+    def _run_and_extend(self, kv: _KV, plan, states: PassStates | None = None) -> torch.Tensor:
+        """Run ``plan`` after ``kv``, append its KV (rotated at its positions), return the hidden states.
+        ``states``: the plan's scoring pass, whose layers are taken (keys rotated here) and not run again."""
         offset = kv.position
         new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         rope = Rope.of(self.model)
         cos, sin = rope.cos_sin(torch.as_tensor(plan.positions) + offset, kv.keys.dtype)  # once, not per layer
 
-        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-            new[layer] = (rope.apply(key[0], cos.to(key.device), sin.to(key.device)), value[0])
+        def rotated(key: torch.Tensor) -> torch.Tensor:
+            return rope.apply(key, cos.to(key.device), sin.to(key.device))
 
-        hidden = self._forward(plan, offset=offset, prefix=kv.prefix, capture=capture, want_hidden=True)
+        def capture(layer: int, _q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+            new[layer] = (rotated(key[0]), value[0])
+
+        if states is None:
+            hidden = self._forward(plan, offset=offset, prefix=kv.prefix, capture=capture, want_hidden=True)
+        else:
+            new.update({layer: (rotated(states.keys[layer]), states.values[layer]) for layer in states.keys})
+            hidden = resume_open_chunk(self.model, plan, states.hidden, first_layer=states.next_layer, offset=offset,
+                                       prefix=kv.prefix, capture=capture, device=self.device, backend=self.backend)
         kv.extend(new)
         return hidden
 
-    def _prefill(self, kv: _KV, plan) -> torch.Tensor:
-        hidden = self._run_and_extend(kv, plan)
+    def _prefill(self, kv: _KV, plan, states: PassStates | None = None) -> torch.Tensor:
+        hidden = self._run_and_extend(kv, plan, states)
         last_raw = int(np.nonzero(~plan.is_l1)[0][-1])
         return self.model.lm_head(hidden[0, last_raw]).float()
 

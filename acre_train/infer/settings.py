@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from ..modeling.bilayer import CacheSettings
 from ..modeling.geometry import WindowGeometry, export_geometry, inference_section
 from ..modeling.scorer_spec import ScorerSettings
-from ..modeling.selection import TAIL_KEYS, LengthBands, Selection, stored_selection
+from ..modeling.selection import PATH_KEYS, LengthBands, Selection, stored_selection
 
 # The paper's geometry (modeling/geometry.py): W0 = 4096, S = 2048, l = 16, W = 32K, eta = 4096.
 _PAPER = WindowGeometry()  # the defaults where an export stores none
@@ -32,7 +32,8 @@ class RefillSettings:
     token's index in the whole context, so refilled spans keep their distances in the text (the context
     must then fit the base's native window; ``modeling/selection.py:POSITIONS``).
     ``close_tail``: the prefill reuses the raw tail's KV from the build (``AcreEngine``);
-    ``refill_after_tail``: the refilled tokens then sit after that tail, next to the question.
+    ``refill_after_tail``: the refilled tokens then sit after that tail, next to the question;
+    ``reuse_score_pass``: the question's layers up to the last scoring layer come from its scoring pass.
     ``bands``: a selection per band of context lengths (``modeling/selection.py:LengthBands``); when set,
     the engine answers with the band of the cache's length (:meth:`for_length`) instead of the fields above.
     """
@@ -46,6 +47,7 @@ class RefillSettings:
     positions: str = "compact"
     close_tail: bool = False
     refill_after_tail: bool = False
+    reuse_score_pass: bool = False
     bands: LengthBands | None = None
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
@@ -65,16 +67,14 @@ class RefillSettings:
     def selection(self) -> Selection:
         """The selection fields as one :class:`Selection` (``max_refill`` is the geometry's, left out)."""
         return Selection(scorer=self.scorer, neighbors=self.neighbors, grow=self.grow, grow_shape=self.grow_shape,
-                         positions=self.positions, close_tail=self.close_tail,
-                         refill_after_tail=self.refill_after_tail)
+                         positions=self.positions, **{key: getattr(self, key) for key in PATH_KEYS})
 
     def with_selection(self, selection: Selection) -> "RefillSettings":
         """These settings answering with ``selection`` (its ``eta`` where it sets one)."""
         eta = self.max_refill if selection.max_refill is None else selection.max_refill
         return self.replace(scorer=selection.scorer, neighbors=selection.neighbors, grow=selection.grow,
                             grow_shape=selection.grow_shape, positions=selection.positions,
-                            close_tail=selection.close_tail, refill_after_tail=selection.refill_after_tail,
-                            max_refill=eta)
+                            **{key: getattr(selection, key) for key in PATH_KEYS}, max_refill=eta)
 
     def for_length(self, num_tokens: int) -> "RefillSettings":
         """The settings for a context of ``num_tokens`` tokens: its length band's selection, if any."""
@@ -130,8 +130,8 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
     carry decoding keys (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) and the selection's
     (``modeling/selection_words.py:FLAGS``): ``selection`` (a whole :class:`Selection`, replacing the
     export's and its length bands), then ``scorer`` (a spec string or mapping), ``scoring_layers``,
-    ``neighbors``, ``grow``, ``grow_shape`` and ``positions`` over it, and ``close_tail`` and
-    ``refill_after_tail`` over it and every length band (None = keep).
+    ``neighbors``, ``grow``, ``grow_shape`` and ``positions`` over it, and ``close_tail``,
+    ``refill_after_tail`` and ``reuse_score_pass`` over it and every length band (None = keep).
 
     >>> cache, refill = inference_settings({"acre": {"inference": {"first_chunk": 64, "interval": 8}}}, {"max_refill": 0})
     >>> cache.first_chunk, cache.interval, refill.max_refill
@@ -154,8 +154,8 @@ def inference_settings(config: Mapping[str, Any] | Any, overrides: Mapping[str, 
         selection = replace_(selection, scorer=scorer)
     if any(v is not None for v in asked.values()) or overrides.get("scoring_layers") is not None:
         bands = None  # a selection asked for on the command line holds at every length
-    tail = {k: bool(overrides[k]) for k in TAIL_KEYS if overrides.get(k) is not None}
-    if tail:  # how the raw tail runs (a build-time choice, and where the refill goes): it holds in every band
+    tail = {k: bool(overrides[k]) for k in PATH_KEYS if overrides.get(k) is not None}
+    if tail:  # how the question's path runs (a cost choice): it holds in every band
         selection = replace_(selection, **tail)
         if bands is not None:
             bands = LengthBands(tuple((up, replace_(s, **tail)) for up, s in bands.bands))

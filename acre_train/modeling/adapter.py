@@ -374,6 +374,43 @@ def acre_forward(
     return AcreOutput(loss=loss_sum / denominator, loss_sum=loss_sum, num_tokens=count, logits=logits, hidden_states=hidden)
 
 
+def acre_layers_from(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    *,
+    first_layer: int,
+    is_l1: torch.Tensor,
+    chunk_ids: torch.Tensor,
+    positions: torch.Tensor,
+    memory_positions: torch.Tensor,
+    kernel: str | None = None,
+    backend: str | None = None,
+    prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """:func:`acre_forward`'s decoder layers from ``first_layer`` on, and the final norm, given the
+    hidden states ``[B, n, d]`` entering that layer (the layers below ran in an earlier forward).
+
+    The loop is the base model's own (each decoder layer with the rotary embeddings of ``positions``);
+    the ACRE layout reaches the attention as in :func:`acre_forward`.
+    """
+    inner = model.model
+    n_layers = model.config.num_hidden_layers
+    if not 0 < first_layer < n_layers:
+        raise ValueError(f"first_layer must lie in 1..{n_layers - 1}, got {first_layer}")
+    layout = build_layout(
+        model, is_l1=is_l1.bool(), chunk_ids=chunk_ids, positions=positions, memory_positions=memory_positions,
+        hidden_like=hidden, kernel=kernel, backend=backend, prefix=prefix, capture=capture,
+    )
+    no_mask = hidden.new_zeros(hidden.shape[0], 1, 0, 0, dtype=torch.bool)
+    position_embeddings = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers[first_layer:n_layers]:
+        hidden = layer(hidden, attention_mask=no_mask, position_embeddings=position_embeddings, position_ids=positions,
+                       use_cache=False, acre_layout=layout)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    return inner.norm(hidden)
+
+
 LM_HEAD_ROWS = 512  # rows of logits alive at once: 512 x 152K vocab x 4 B = 0.3 GB instead of 1.2 GB at 2K
 
 

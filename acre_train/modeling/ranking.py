@@ -5,7 +5,7 @@ package's scorer kinds (``l1``, ``l2``, ``bounds``), registered in ``modeling/sc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +36,8 @@ class QuestionQueries:
     derived: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     words: "QuestionQueries | None" = field(default=None, repr=False)  # the own-words view, made once
+    # the pass's hidden states and KV, kept for the prefill to start above it (scoring_pass.PassStates)
+    states: Any = field(default=None, repr=False)
 
     def for_scorer(self, scorer: ScorerSettings) -> "QuestionQueries":
         """The queries ``scorer`` pools over: all of them, or (``query=question``) the question's own words.

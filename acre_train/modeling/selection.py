@@ -3,8 +3,9 @@
 A :class:`Selection` is the scorer (``modeling/scorer_spec.py:ScorerSettings``) plus the rule that turns
 its scores into refilled tokens: whole spans (optionally each with its better neighbour) or ``grow``
 token regions of a ``grow_shape``; where the refilled cache is rotated (``positions``); whether the
-context's raw tail is closed at build time (``close_tail``) and whether the refilled tokens then go
-after it, next to the question (``refill_after_tail``); and optionally the refill's length
+context's raw tail is closed at build time (``close_tail``), whether the refilled tokens then go
+after it, next to the question (``refill_after_tail``), and whether the question's layers up to the
+last scoring layer are taken from its scoring pass instead of run again (``reuse_score_pass``); and optionally the refill's length
 ``max_refill`` (η) where it differs from the export's geometry.
 
 One spelling, which :meth:`Selection.describe` writes and :meth:`Selection.parse` reads back::
@@ -12,7 +13,7 @@ One spelling, which :meth:`Selection.describe` writes and :meth:`Selection.parse
     l2:layers=3,heads=max,sinks=4,keep_sinks=first +grow=2,densest @text eta=512 close_tail
 
 the scorer spec, then ``+neighbors`` or ``+grow=N[,shape]``, ``@text`` for text positions, ``eta=N``,
-``close_tail`` and ``refill_after_tail`` — each optional, in any order after the scorer.
+``close_tail``, ``refill_after_tail`` and ``reuse_score_pass`` — each optional, in any order after the scorer.
 
 :class:`LengthBands` holds one selection per band of context lengths. A setting calibrated at one
 length can fail at another (a rule whose cost grows with the number of chunks, a budget sized for a
@@ -36,8 +37,10 @@ from .scorer_spec import ScorerSettings
 from .selection_words import GROW_SHAPES, POSITIONS
 
 SELECTION_KEYS = ("scorer", "neighbors", "grow", "grow_shape", "positions", "close_tail", "refill_after_tail",
-                  "max_refill")
-TAIL_KEYS = ("close_tail", "refill_after_tail")  # how the raw tail is run: they hold in every length band
+                  "reuse_score_pass", "max_refill")
+# How the question's path runs around its refill (the raw tail, where the refill goes, what is run twice):
+# cost choices that hold in every length band.
+PATH_KEYS = ("close_tail", "refill_after_tail", "reuse_score_pass")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Selection:
     positions: str = "compact"
     close_tail: bool = False
     refill_after_tail: bool = False  # with close_tail: the refilled tokens after the closed tail, not before it
+    # with close_tail: the question's layers up to the last scoring layer come from its scoring pass, so
+    # they do not see what is refilled (the refill enters above them) and are not run a second time
+    reuse_score_pass: bool = False
     max_refill: int | None = None  # eta; None: the export's geometry
 
     def __post_init__(self) -> None:
@@ -72,6 +78,8 @@ class Selection:
         if self.refill_after_tail and self.positions != "compact":
             raise ValueError("refill_after_tail moves the refilled tokens out of text order: it needs @compact "
                              "positions")
+        if self.reuse_score_pass and not self.close_tail:
+            raise ValueError("reuse_score_pass reuses a pass over the closed tail's KV: it needs close_tail")
         if self.max_refill is not None and int(self.max_refill) < 0:
             raise ValueError(f"max_refill (eta) must be >= 0, got {self.max_refill}")
 
@@ -92,6 +100,8 @@ class Selection:
             out += " close_tail"
         if self.refill_after_tail:
             out += " refill_after_tail"
+        if self.reuse_score_pass:
+            out += " reuse_score_pass"
         return out
 
     @classmethod
@@ -115,18 +125,18 @@ class Selection:
                 values["positions"] = word[1:]
             elif m := re.fullmatch(r"eta=(\d+)", word):
                 values["max_refill"] = int(m.group(1))
-            elif word in ("close_tail", "refill_after_tail"):
+            elif word in PATH_KEYS:
                 values[word] = True
             else:
                 raise ValueError(f"selection word {word!r} is not +neighbors, +grow=N[,shape], @positions, eta=N, "
-                                 f"close_tail or refill_after_tail (in {spec!r})")
+                                 f"{', '.join(PATH_KEYS)} (in {spec!r})")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """What an export's ``acre.inference`` stores (``max_refill`` only where set)."""
         out = {"scorer": self.scorer.describe(), "neighbors": self.neighbors, "grow": self.grow,
-               "grow_shape": self.grow_shape, "positions": self.positions, "close_tail": self.close_tail,
-               "refill_after_tail": self.refill_after_tail}
+               "grow_shape": self.grow_shape, "positions": self.positions,
+               **{key: getattr(self, key) for key in PATH_KEYS}}
         if self.max_refill is not None:
             out["max_refill"] = self.max_refill
         return out
@@ -141,7 +151,7 @@ class Selection:
             if key not in SELECTION_KEYS:
                 raise ValueError(f"unknown selection key {key!r}{key_hint(key, SELECTION_KEYS)}")
             picked[key] = value
-        for key in ("neighbors", *TAIL_KEYS):
+        for key in ("neighbors", *PATH_KEYS):
             if key in picked:
                 picked[key] = _flag(picked[key])
         if picked.get("neighbors") and picked.get("grow"):

@@ -52,6 +52,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "refill_after_tail": ("--refill-after-tail", dict(action=argparse.BooleanOptionalAction, help=(
         "with --close-tail: put the refilled tokens after the closed tail, next to the question, instead of "
         "before it (docs/selection.md); default: the export's, else off"))),
+    "reuse_score_pass": ("--reuse-score-pass", dict(action=argparse.BooleanOptionalAction, help=(
+        "with --close-tail: take the question's layers up to the last scoring layer from its scoring pass "
+        "instead of running them again (they then do not see the refill; docs/selection.md); default: the "
+        "export's, else off"))),
 }
 
 
