@@ -218,9 +218,7 @@ def run_acre(args, size: int) -> dict:
             builds.append(time.perf_counter() - tic)
             engine.answer(cache, questions[1])  # untimed: first-call costs (allocator, code paths, rotated keys)
             tails = (False, True) if args.close_tail else (False,)
-            answered = {closed: _ask_acre(engine, cache, questions[2:], closed, args.refill_after_tail and closed,
-                                          args.reuse_score_pass and closed)
-                        for closed in tails}
+            answered = {closed: _ask_acre(engine, cache, questions[2:], _path(args, closed)) for closed in tails}
     rates = machine_rates(args.device)
     chunks: list[int] = []
     rows, pairs = acre_build_work(len(context), cache_settings.first_chunk, cache_settings.stride, cache_settings.interval,
@@ -240,10 +238,11 @@ def run_acre(args, size: int) -> dict:
     for closed, (answers, totals) in answered.items():
         a = answers[-1]
         tail = int(cache.tail_keys.shape[2]) if cache.tail_keys is not None else 0
+        used = engine.settings_for(cache, **_path(args, closed))  # the length band's, with the arm's path
         out["closed" if closed else "open"] = {
             **shared, "question_s": statistics.median(totals), "tail_plan": tail,
-            "refill_after_tail": bool(closed and args.refill_after_tail),
-            "reuse_score_pass": bool(closed and args.reuse_score_pass),
+            "answered_with": used.selection.describe(),
+            "refill_after_tail": used.refill_after_tail, "reuse_score_pass": used.reuse_score_pass,
             "ttft_s": statistics.median(x.timings["score_s"] + x.timings["refill_s"] + x.timings["prefill_s"] for x in answers),
             "decode_token_s": statistics.median(x.timings["decode_s"] / max(1, len(x.token_ids) - 1) for x in answers),
             "working_cache_mib": _kv_mib(model, a.cache_length), "k": a.k, "cache_length": a.cache_length,
@@ -251,19 +250,26 @@ def run_acre(args, size: int) -> dict:
             "open_chunk": a.open_chunk,
             **{key: statistics.median(x.timings.get(key, 0.0) for x in answers)
                for key in ("score_s", "score_pass_s", "select_s", "refill_s", "prefill_s", "decode_s")},
-            **acre_floor(model, engine, cache, a, args.new_tokens, rates, closed, closed and args.reuse_score_pass)}
+            **acre_floor(model, engine, cache, a, args.new_tokens, rates, closed, used.reuse_score_pass)}
     return out
 
 
-def _ask_acre(engine, cache, questions: list[list[int]], close_tail: bool, after: bool = False, reuse: bool = False):
-    """``(answers, seconds each)`` of ``questions`` on ``cache``, the raw tail closed or not (``after``: the
-    refill placed after the closed tail; ``reuse``: the scoring pass's layers reused); the length band's
-    selection otherwise."""
-    tail = {"close_tail": close_tail, "refill_after_tail": after, "reuse_score_pass": reuse}
+def _path(args, closed: bool) -> dict:
+    """The question-path overrides of an arm: the open arm re-runs the raw tail (every path option off);
+    the closed arm closes it and keeps the stored placement and reuse unless the flags ask for them."""
+    if not closed:
+        return {"close_tail": False, "refill_after_tail": False, "reuse_score_pass": False}
+    asked = {"refill_after_tail": args.refill_after_tail, "reuse_score_pass": args.reuse_score_pass}
+    return {"close_tail": True, **{key: True for key, on in asked.items() if on}}
+
+
+def _ask_acre(engine, cache, questions: list[list[int]], path: dict):
+    """``(answers, seconds each)`` of ``questions`` on ``cache`` with the question-path overrides ``path``;
+    the length band's selection otherwise."""
     answers, totals = [], []
     for q in questions:
         tic = time.perf_counter()
-        answers.append(engine.answer(cache, q, **tail))
+        answers.append(engine.answer(cache, q, **path))
         totals.append(time.perf_counter() - tic)
     return answers, totals
 
