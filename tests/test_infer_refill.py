@@ -542,6 +542,24 @@ def test_reusing_the_scoring_pass_changes_nothing_when_nothing_is_refilled(monke
     assert reused.timings["prefill_s"] > 0
 
 
+def test_a_stored_closed_tail_reopens_for_a_question_that_asks():
+    """An export that stores the closed path answers with it, and a question asking for the tail re-run
+    (close_tail off) gets exactly what an engine storing nothing answers."""
+    model = _model("qwen2")
+    settings = CacheSettings(first_chunk=16, stride=12, interval=4)
+    plain = AcreEngine(model, cache_settings=settings,
+                       refill=RefillSettings(working_window=200, max_refill=8, scorer="l2:layers=0,heads=max", grow=1,
+                                             max_new_tokens=3))
+    stored = AcreEngine(model, cache_settings=settings, refill=plain.refill.replace(close_tail=True, refill_after_tail=True))
+    ctx, q = _ids(47, 61), _ids(6, 62)
+    cache = stored.build(ctx)
+    reopened = stored.answer(cache, q, close_tail=False, refill_after_tail=False)
+    expected = plain.answer(plain.build(ctx), q)
+    torch.testing.assert_close(reopened.first_logits, expected.first_logits, atol=ATOL, rtol=0)
+    assert reopened.token_ids == expected.token_ids and reopened.open_chunk == expected.open_chunk
+    assert stored.answer(cache, q).open_chunk < expected.open_chunk  # as stored: the question alone runs
+
+
 def test_reusing_the_scoring_pass_needs_a_closed_tail_and_a_scoring_layer_below_the_last():
     model = _model("qwen2")
     with pytest.raises(ValueError, match="needs close_tail"):

@@ -108,7 +108,7 @@ class AcreEngine:
         # tokens. close_tail: the prefill reuses that KV too, so a question runs only its own tokens there
         # as well. What changes then: the tail attends to the L1 memory, not to the refilled spans (it
         # cannot know the question); off, the tail re-runs over every refilled cache, as training has it.
-        self.close_tail = close_tail or self.refill.close_tail
+        self.close_tail = close_tail  # every question closed; else each question's selection decides
         layers = model.config.num_hidden_layers  # a stored scorer's layers fail here, not at the first question
         for selection in [self.refill.selection] + [s for _, s in (self.refill.bands.bands if self.refill.bands else ())]:
             selection.scorer.resolved_layers(layers)
