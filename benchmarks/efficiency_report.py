@@ -299,14 +299,14 @@ def report(runs: dict[str, dict]) -> tuple[str, str]:
                  *table(bands), "", *targets(bands, "### Against the goals (stored bands)")]
     stored = runs.get("stored")
     if stored:
-        first = next(r["acre"] for r in stored["rows"] if "error" not in r["acre"])
+        last = next(r["acre"] for r in reversed(stored["rows"]) if "error" not in r["acre"])  # the newest run's card
         page += ["## The card's question path", "",
-                 f"The shipped adapter with its card's path ({first['selection']}): the bands beyond 2,896 tokens "
-                 "close the raw tail at build time and put the refill after it, and up to 8,192 tokens a question "
-                 "scores at layer 3 and its prefill starts above that pass (`reuse_score_pass`, docs/selection.md). "
-                 "The closed arm answers that way; the open arm re-runs the tail with the same band's scorer. At 2K "
-                 "the card now keeps the tail re-run (no dev set there has checked the closed path), so the 2K "
-                 "closed row is the path a user asks for with `--close-tail --refill-after-tail`. All "
+                 f"The shipped adapter with its card's path ({last['selection']}): every band closes the raw tail "
+                 "at build time and puts the refill after it, and up to 8,192 tokens a question scores at layer 3 "
+                 "and its prefill starts above that pass (`reuse_score_pass`, docs/selection.md). The closed arm "
+                 "answers that way (at 2K the run predates the card storing the closed path there, and its flags "
+                 "`--close-tail --refill-after-tail` asked for the same path); the open arm re-runs the tail with "
+                 "the same band's scorer. All "
                  f"three arms in one run per length; {machine(stored)}.", "",
                  *[f"    {cmd}" for cmd in stored.get("runs", [])], *([""] if stored.get("runs") else []),
                  *table(stored), "", *targets(stored, "### Against the goals (as stored)", why=REUSED)]

@@ -195,6 +195,9 @@ def build_cache(
     done, raw_done = finished_chunks(len(ids), settings)
     store = _BuildStore(model, raw_done, int(plan.is_l1[: finished_length(plan, done)].sum()), device)
     rope = Rope.of(model)
+    # One forward per chunk. Chunks never read each other's raw tokens, so several could share a forward
+    # (the kernel's in-batch L1 memory); at the shipped geometry (chunks of 528 rows) that measured 0.97x on
+    # 2 CPU threads at 4K: the weight products already run at their large-shape rate.
     for t in _chunk_range(done, progress):
         sel = plan.chunk_ids == t
         is_l1 = torch.as_tensor(plan.is_l1[sel], device=device)
