@@ -216,3 +216,31 @@ def test_a_row_added_to_a_finished_cell_is_reported_inside_it_and_marked(tmp_pat
     assert "| n | `acre` | answer contained 50.0" in table
     compact = cells.compact_table()
     assert "25.0 (25–25) †" in compact and "† a row added after the cell's first run" in compact
+
+
+def test_a_control_row_answers_with_its_own_model_and_is_reported_under_its_own_name(tmp_path, monkeypatch):
+    """The SFT-vanilla control runs the ``full`` row on another model folder; the cell reports it as
+    ``sft-vanilla``, beside (not merged with) the base's full attention."""
+    from studies.long import cells
+
+    def rows(method, score):
+        return [{"method": method, "score": score, "substring": score, "qa_f1": score, "prediction": "a b",
+                 "answers": ["a b"], "kv_attended": 10, "prompt_tokens": 100, "context_index": 0, "prepare_s": 1.0,
+                 "answer_s": 1.0, "memory_added_bytes": 0, "refill_coverage": 1.0, "refill_rank": 1}] * 4
+
+    vanilla = cells.REPO / "checkpoints" / "vanilla-export"
+    monkeypatch.setattr(cells, "CELLS", {"q": ("long_qa", 16, 4, "full,acre", 8),
+                                         "q+sft-vanilla": ("long_qa", 16, 4, "full", 8)})
+    monkeypatch.setattr(cells, "MODELS", {"q+sft-vanilla": (vanilla, tmp_path / "run")})
+    monkeypatch.setattr(cells, "LABELS", {"q+sft-vanilla": {"full": "sft-vanilla"}})
+    argv = cells.command("q+sft-vanilla")
+    assert argv[argv.index("--model") + 1] == "checkpoints/vanilla-export" and argv[argv.index("--methods") + 1] == "full"
+    assert cells.command("q")[cells.command("q").index("--model") + 1] == str(cells.EXPORT.relative_to(cells.REPO))
+    assert "SFT-vanilla" not in cells.compact_table()  # no column before the control has run
+    monkeypatch.setattr(cells, "DOCS", tmp_path)
+    for run, lines in (("q", rows("full", 1.0) + rows("acre", 0.5)), ("q+sft-vanilla", rows("full", 0.75))):
+        (tmp_path / "cells" / run).mkdir(parents=True)
+        (tmp_path / "cells" / run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    table = cells.table()
+    assert "| q | `sft-vanilla` (added later) | F1 75.0" in table and "| q | `full` | F1 100.0" in table
+    assert "| SFT-vanilla |" in cells.compact_table() and "75.0 (75–75) †" in cells.compact_table()

@@ -38,7 +38,19 @@ CELLS: dict[str, tuple[str, int, int, str, int]] = {
     # A row added to a cell after its first run: the same questions, its own test run (and ledger line),
     # reported inside the cell it extends and marked there as added later.
     "needles-16k+cachefocus": ("long_needles", 16384, 64, "cachefocus", 32),
+    # The SFT-vanilla control: the base with a LoRA on its own q/k/v trained on the ACRE adapter's stage-2
+    # conversations, order, steps and learning rate with plain attention (recipes/qwen2.5-0.5b/
+    # stage2-vanilla-lora.yaml); its `full` row is reported as `sft-vanilla`.
+    "qa-16k+sft-vanilla": ("long_qa", 16384, 64, "full", 48),
 }
+
+# Rows that answer with another model than the shipped ACRE export: (export folder, what it is made from).
+VANILLA = REPO / "studies" / "adapters" / "sft-vanilla-lora-step120"
+MODELS: dict[str, tuple[Path, Path]] = {
+    "qa-16k+sft-vanilla": (REPO / "checkpoints" / "long" / "sft-vanilla-export", VANILLA),
+}
+# What a run's method is reported as, where its name would collide with another row of the cell.
+LABELS: dict[str, dict[str, str]] = {"qa-16k+sft-vanilla": {"full": "sft-vanilla"}}
 
 
 def cells() -> list[str]:
@@ -57,7 +69,8 @@ def has_run(name: str) -> bool:
 
 def command(name: str, rerun: bool = False) -> list[str]:
     task, length, questions, rows, new_tokens = CELLS[name]
-    argv = ["acre-train", "eval", "--model", str(EXPORT.relative_to(REPO)), "--tasks", task, "--split", "test",
+    model = MODELS[name][0] if name in MODELS else EXPORT
+    argv = ["acre-train", "eval", "--model", str(model.relative_to(REPO)), "--tasks", task, "--split", "test",
             "--context-tokens", str(length), "--num-examples", str(questions), "--methods", rows,
             "--max-new-tokens", str(new_tokens), "--device", "cpu", "--dtype", "float32", "--no-progress",
             "--ledger", str(LEDGER.relative_to(REPO)), "--out", str((DOCS / "cells" / name).relative_to(REPO))]
@@ -67,7 +80,15 @@ def command(name: str, rerun: bool = False) -> list[str]:
     return argv + (["--rerun"] if rerun else [])
 
 
-def make_export() -> Path:
+def make_export(name: str | None = None) -> Path:
+    """The model folder cell ``name`` answers with: the shipped adapter's export, or a control's."""
+    if name in MODELS:
+        out, source = MODELS[name]
+        if not (out / "acre_vanilla.json").is_file():
+            from acre_train.export.run import export_vanilla_run
+
+            export_vanilla_run(source, out, overwrite=True)
+        return out
     from acre_train.quickstart import shipped_adapter_export
 
     return shipped_adapter_export(EXPORT)
@@ -86,8 +107,12 @@ def cell_rows(name: str) -> list[dict]:
     rows = []
     for run in [name, *(x for x in added_rows(name) if has_run(x))]:
         path = DOCS / "cells" / run / "predictions.jsonl"
-        rows += [{**json.loads(x), **({"added_later": True} if run != name else {})}
-                 for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        label = LABELS.get(run, {})
+        for x in path.read_text(encoding="utf-8").splitlines():
+            if x.strip():
+                row = json.loads(x)
+                rows.append({**row, "method": label.get(row["method"], row["method"]),
+                             **({"added_later": True} if run != name else {})})
     return rows
 
 
@@ -155,7 +180,9 @@ def compact_table() -> str:
     """The README's table: one line per cell, each row's score (95 % interval) side by side, then ACRE's
     KV share, build, time per question and memory (docs/long/README.md has every row's)."""
     columns = {"full": "full attention", "truncated:budget=1536": "truncated to 1,536", "cachefocus": "CacheFocus",
-               "acre": "ACRE"}
+               "acre": "ACRE", "sft-vanilla": "SFT-vanilla"}
+    present = {r["method"] for name in cells() if has_run(name) for r in cell_rows(name)}
+    columns = {k: v for k, v in columns.items() if k in present or k != "sft-vanilla"}  # a control once it exists
     lines = ["| cell | metric | " + " | ".join(columns.values()) + " | ACRE KV share % | ACRE build s | "
              "ACRE s / question | ACRE memory GiB | questions |",
              "|---|---|" + "---:|" * (len(columns) + 5)]
@@ -278,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.verb == "report":
         return write_report(args.check)
-    make_export()
     for name in args.cells:
         if not args.rerun and (DOCS / "cells" / name / "predictions.jsonl").is_file():
             print(f"{name}: already run (docs/long/cells/{name}); --rerun to score it again")
             continue
+        make_export(name)
         code = subprocess.call(command(name, args.rerun), cwd=REPO)
         if code:
             return code
