@@ -55,6 +55,14 @@ def test_inference_cost_runs_small_with_the_closed_tail_the_refill_after_it_and_
     assert "full decoding step:" in out.stdout and "with the grouped-KV switch alone" in out.stdout
 
 
+def test_chunk_cost_times_a_chunk_over_a_long_memory_both_ways_beside_its_floor():
+    out = subprocess.run([sys.executable, "benchmarks/chunk_cost.py", "--rounds", "1"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("P ")]
+    assert len(rows) == 2 and all("mask once per forward" in r and "once per layer" in r and "floor" in r for r in rows)
+
+
 def test_methods_cost_runs_small_with_each_methods_floor_beside():
     methods = "full,truncated,cachefocus,infoflow"
     out = subprocess.run([sys.executable, "benchmarks/methods_cost.py", "--sizes", "512", "--doc-tokens", "128", "--methods", methods,

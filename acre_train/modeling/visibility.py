@@ -162,6 +162,8 @@ class AttentionKernel:
     capture: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     _mask: object = field(default=None, repr=False)
     _segments: list[ChunkSegment] | None = field(default=None, repr=False)
+    # chunk masks by (prefix, length): every layer of a forward attends with the same ones, made once
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KERNELS:
@@ -199,7 +201,6 @@ class AttentionKernel:
         bsz, heads, n, dim = query.shape
         outputs: list[list[torch.Tensor]] = [[] for _ in range(bsz)]
         filled = [0] * bsz
-        masks: dict[tuple[int, int], torch.Tensor] = {}
         prefix = self.prefix(module.layer_idx) if self.prefix is not None else None
         for seg in self._segments:
             b, s, e = seg.sample, seg.start, seg.end
@@ -212,11 +213,9 @@ class AttentionKernel:
             num_prefix = sum(p.shape[2] for p in k_parts[:-1])
             keys, values, q = torch.cat(k_parts, 2), torch.cat(v_parts, 2), query[b : b + 1, :, s:e]
             if self.backend == "sdpa":
-                out = _prefix_causal_sdpa(fn, module, q, keys, values, num_prefix)
+                out = _prefix_causal_sdpa(fn, module, q, keys, values, num_prefix, self._chunk_mask)
             else:
-                mask = masks.get((num_prefix, e - s))
-                if mask is None:
-                    mask = masks[(num_prefix, e - s)] = to_additive(chunk_mask(num_prefix, e - s, query.device), query.dtype)
+                mask = self._chunk_mask(num_prefix, e - s, query.device, query.dtype)
                 out = fn(module, q, keys, values, mask, dropout=0.0, scaling=module.scaling)[0]
             if s > filled[b]:  # padding or skipped tokens before this segment
                 outputs[b].append(query.new_zeros(1, s - filled[b], heads, dim))
@@ -227,8 +226,17 @@ class AttentionKernel:
                 outputs[b].append(query.new_zeros(1, n - filled[b], heads, dim))
         return torch.cat([torch.cat(parts, dim=1) for parts in outputs], dim=0)
 
+    def _chunk_mask(self, num_prefix: int, length: int, device: torch.device, dtype: torch.dtype | None = None):
+        """``chunk_mask`` (boolean, or additive in ``dtype``), made once per forward and shared by its layers
+        (at 128K a chunk's mask over 4K L1 entries takes as long to build as a tenth of its attention)."""
+        key = (num_prefix, length, str(device), dtype)  # under a device map, layers sit on several devices
+        if key not in self._masks:
+            mask = chunk_mask(num_prefix, length, device)
+            self._masks[key] = mask if dtype is None else to_additive(mask, dtype)
+        return self._masks[key]
 
-def _prefix_causal_sdpa(fn, module, query, keys, values, num_prefix: int) -> torch.Tensor:
+
+def _prefix_causal_sdpa(fn, module, query, keys, values, num_prefix: int, masks=None) -> torch.Tensor:
     """``chunk_mask`` attention through SDPA, picking the cheaper of two exact forms.
 
     ``chunk_mask(P, L)`` is rows ``P..P+L`` of a square causal mask. When the prefix is shorter than
@@ -241,7 +249,7 @@ def _prefix_causal_sdpa(fn, module, query, keys, values, num_prefix: int) -> tor
     if length == 1:
         return fn(module, query, keys, values, None, dropout=0.0, scaling=module.scaling, is_causal=False)[0]
     if num_prefix >= length:
-        mask = chunk_mask(num_prefix, length, query.device)
+        mask = (masks or chunk_mask)(num_prefix, length, query.device)
         return fn(module, query, keys, values, mask, dropout=0.0, scaling=module.scaling)[0]
     if num_prefix:
         query = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
