@@ -239,8 +239,15 @@ def targets(run: dict, title: str = "## Against the goals", why: str = SCORING_P
         if "question_s" in closed and closed.get("shape_floor_ttft_s"):
             floor = closed["shape_floor_ttft_s"] + closed["shape_floor_decode_s"]
             question.append(f"{_k(row['size'])} {closed['question_s'] / floor:.2f}×")
+    growth = [f"{_k(row['size'])} {1e3 * row['acre']['build_s'] / row['acre']['context_tokens']:.1f}"
+              for row in run["rows"] if "error" not in row["acre"]]
+    asked = [f"{_k(row['size'])} {row['acre_closed_tail']['question_s']:.2f} (select {row['acre_closed_tail']['select_s']:.2f})"
+             for row in run["rows"] if "question_s" in (row.get("acre_closed_tail") or {})]
     return [
         title, "",
+        "- Growth: the build in ms per context token (flat when the build is linear in the context): "
+        + ", ".join(growth) + "; a question with the closed tail, s (of which choosing the refill, which scans "
+        "the raw keys): " + ", ".join(asked) + ".",
         "- First token with the closed tail against full attention's on its reused cache (goal: at most 1× from 4K, "
         "1.5× at 2K; * against a projection): " + ", ".join(first) + ". The closed tail costs the same whether the "
         "refill goes before it or after it (`refill_after_tail`, the setting that keeps the answers on dev, "
